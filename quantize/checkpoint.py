@@ -1,0 +1,236 @@
+"""A sharded safetensors checkpoint, read lazily: headers up front, each tensor's bytes only when asked.
+
+Source formats are decoded here to a float tensor on demand:
+  float            bf16 / fp16 / fp32 tensors as stored
+  fp8-block        DeepSeek V3 / Kimi K2: fp8 `X.weight` + float32 `X.weight_scale_inv`, 128x128 blocks
+  ct-fp8           compressed-tensors float-quantized: fp8 `X.weight` + `X.weight_scale` (tensor or channel)
+  ct-int4          compressed-tensors pack-quantized: `X.weight_packed`, `X.weight_scale`, `X.weight_shape`
+A weight's scale may sit in another shard than the weight; every part is looked up by name across shards.
+"""
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quantize.errors import QuantizeError
+from quantize.quant import fp8, pack, rtn
+from quantize.safetensors_file import TensorInfo, read_header, read_tensor
+
+INDEX_NAME = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+PACKED_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+
+
+@dataclass(frozen=True)
+class SourceFormat:
+    """How the checkpoint stores its quantized weights, if any."""
+
+    kind: str  # float | fp8-block | ct-fp8 | ct-int4
+    block: tuple[int, int] | None = None  # fp8-block
+    num_bits: int | None = None  # ct-int4
+    group_size: int | None = None
+    symmetric: bool | None = None
+    ignore: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LogicalTensor:
+    """One tensor as the model sees it (e.g. `X.weight`), with the stored parts that encode it."""
+
+    name: str
+    shape: tuple[int, ...]
+    encoding: str  # float | fp8-block | ct-fp8 | ct-int4
+    parts: dict[str, TensorInfo] = field(hash=False)
+
+    @property
+    def main(self) -> TensorInfo:
+        return self.parts.get("weight_packed") or self.parts["tensor"]
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(p.nbytes for p in self.parts.values())
+
+    @property
+    def stored_dtype(self) -> str:
+        return self.main.dtype
+
+
+def _inside(root: Path, rel: str) -> Path:
+    """Resolve a file the index names, refusing anything that leaves the checkpoint folder."""
+    if os.path.isabs(rel) or ".." in Path(rel).parts:
+        raise QuantizeError(f"{INDEX_NAME}: entry {rel!r} points outside the checkpoint folder; refusing to read it")
+    path = root / rel
+    resolved, base = path.resolve(), root.resolve()
+    if resolved != base and base not in resolved.parents:
+        raise QuantizeError(f"{INDEX_NAME}: {rel!r} is a link that leaves the checkpoint folder; refusing to read it")
+    return path
+
+
+def _source_format(config: dict) -> SourceFormat:
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not qc:
+        return SourceFormat("float")
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return SourceFormat("fp8-block", block=tuple(qc.get("weight_block_size") or (128, 128)))
+    if method == "compressed-tensors":
+        ignore = tuple(qc.get("ignore") or ())
+        groups = list((qc.get("config_groups") or {}).values())
+        fmt = qc.get("format")
+        weights = (groups[0].get("weights") or {}) if groups else {}
+        fmt = groups[0].get("format", fmt) if groups else fmt
+        if fmt == "float-quantized":
+            block = weights.get("block_structure")
+            return SourceFormat("ct-fp8", block=tuple(block) if block else None, ignore=ignore)
+        if fmt == "pack-quantized":
+            if weights.get("num_bits", 4) != 4:
+                raise QuantizeError(f"pack-quantized with num_bits {weights.get('num_bits')} is not supported as input (4 is)")
+            return SourceFormat(
+                "ct-int4",
+                num_bits=weights.get("num_bits", 4),
+                group_size=weights.get("group_size"),
+                symmetric=weights.get("symmetric", True),
+                ignore=ignore,
+            )
+        raise QuantizeError(f"compressed-tensors format {fmt!r} is not supported as input (float-quantized, pack-quantized are)")
+    raise QuantizeError(
+        f"quantization_config.quant_method {method!r} is not supported as input "
+        "(supported: none, fp8 with weight_block_size, compressed-tensors)"
+    )
+
+
+class Checkpoint:
+    """A local Hugging Face model folder with safetensors weights.
+
+    Opening reads config.json, the index and every shard header (validated); no tensor data is read.
+    """
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise QuantizeError(f"{self.root}: not a folder")
+        config_path = self.root / "config.json"
+        if not config_path.is_file():
+            raise QuantizeError(f"{self.root}: no config.json; is this a Hugging Face model folder?")
+        try:
+            self.config: dict = json.loads(config_path.read_text())
+        except json.JSONDecodeError as e:
+            raise QuantizeError(f"config.json: not valid JSON ({e})") from e
+        self.format = _source_format(self.config)
+        self.shards = self._shard_paths()
+        self.stored: dict[str, TensorInfo] = {}
+        for shard in self.shards:
+            for name, info in read_header(shard).items():
+                if name in self.stored:
+                    raise QuantizeError(f"{shard.name}: tensor {name} is also in {self.stored[name].path.name}")
+                self.stored[name] = info
+        self._check_index()
+        self.tensors = self._logical_tensors()
+        dtype_name = self.config.get("torch_dtype") or self.config.get("dtype") or (
+            self.config.get("text_config") or {}
+        ).get("torch_dtype", "bfloat16")
+        self.dtype = TORCH_DTYPES.get(dtype_name, torch.bfloat16)
+
+    def _shard_paths(self) -> list[Path]:
+        index = self.root / INDEX_NAME
+        if index.is_file():
+            try:
+                self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise QuantizeError(f"{INDEX_NAME}: unreadable ({e}); download it again") from e
+            names = sorted(set(self.weight_map.values()))
+            paths = [_inside(self.root, n) for n in names]
+            for p in paths:
+                if not p.is_file():
+                    raise QuantizeError(
+                        f"{INDEX_NAME} names shard {p.name}, which is missing; download the checkpoint again "
+                        "(`quantize download` resumes)"
+                    )
+            return paths
+        self.weight_map = {}
+        paths = sorted(p for p in self.root.glob("*.safetensors") if p.is_file())
+        if paths:
+            return paths
+        pickles = sorted(p.name for p in self.root.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise QuantizeError(
+                f"{self.root}: only pickle weights ({', '.join(pickles[:3])}); they can run arbitrary code and are "
+                "never loaded. Convert them to safetensors in a sandbox first, or use a safetensors revision"
+            )
+        raise QuantizeError(f"{self.root}: no *.safetensors weights found")
+
+    def _check_index(self) -> None:
+        for name, rel in self.weight_map.items():
+            info = self.stored.get(name)
+            if info is None or info.path.name != Path(rel).name:
+                raise QuantizeError(f"{INDEX_NAME}: tensor {name} is listed in {rel} but that shard does not hold it")
+
+    def _logical_tensors(self) -> dict[str, LogicalTensor]:
+        stored, fmt = self.stored, self.format.kind
+        consumed: set[str] = set()
+        out: dict[str, LogicalTensor] = {}
+        for name, info in stored.items():
+            module, _, leaf = name.rpartition(".")
+            if leaf == "weight_packed":
+                parts = {p: stored[f"{module}.{p}"] for p in PACKED_PARTS if f"{module}.{p}" in stored}
+                for p in ("weight_scale", "weight_shape"):
+                    if p not in parts:
+                        raise QuantizeError(
+                            f"{info.path.name}: {name} has no {module}.{p} in any shard; the checkpoint is incomplete"
+                        )
+                shape = tuple(int(v) for v in read_tensor(parts["weight_shape"]).tolist())
+                out[f"{module}.weight"] = LogicalTensor(f"{module}.weight", shape, "ct-int4", parts)
+                consumed.update(p.name for p in parts.values())
+            elif leaf == "weight" and info.dtype in ("F8_E4M3", "F8_E5M2"):
+                scale_leaf = "weight_scale_inv" if fmt == "fp8-block" else "weight_scale"
+                scale = stored.get(f"{module}.{scale_leaf}")
+                if scale is None:
+                    raise QuantizeError(
+                        f"{info.path.name}: FP8 weight {name} has no {module}.{scale_leaf} in any shard; "
+                        "the checkpoint is incomplete, download it again"
+                    )
+                encoding = "fp8-block" if scale_leaf == "weight_scale_inv" else "ct-fp8"
+                out[name] = LogicalTensor(name, info.shape, encoding, {"tensor": info, "scale": scale})
+                consumed.update((name, scale.name))
+                if f"{module}.input_scale" in stored:
+                    consumed.add(f"{module}.input_scale")  # static activation scales do not survive re-quantization
+        for name, info in stored.items():
+            if name in consumed or name in out:
+                continue
+            leaf = name.rpartition(".")[2]
+            if leaf in ("weight_scale_inv", "weight_scale", "weight_shape", "weight_zero_point", "input_scale"):
+                raise QuantizeError(f"{info.path.name}: {name} has no weight it belongs to; the checkpoint is inconsistent")
+            out[name] = LogicalTensor(name, info.shape, "float", {"tensor": info})
+        return dict(sorted(out.items(), key=lambda kv: (self.shards.index(kv[1].main.path), kv[1].main.start)))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.shards)
+
+    def read_parts(self, t: LogicalTensor) -> dict[str, torch.Tensor]:
+        return {k: read_tensor(v) for k, v in t.parts.items()}
+
+    def decode(self, t: LogicalTensor, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor as a float (for quantized encodings: dequantized to the model dtype) on `device`."""
+        parts = {k: v.to(device) for k, v in self.read_parts(t).items()}
+        return decode_parts(t, parts, self.format, dtype or self.dtype)
+
+
+def decode_parts(t: LogicalTensor, parts: dict[str, torch.Tensor], fmt: SourceFormat, dtype: torch.dtype) -> torch.Tensor:
+    if t.encoding == "float":
+        return parts["tensor"]
+    if t.encoding == "fp8-block":
+        return fp8.dequantize_block(parts["tensor"], parts["scale"], fmt.block or (128, 128), dtype)
+    if t.encoding == "ct-fp8":
+        if fmt.block and parts["scale"].ndim == 2 and parts["scale"].shape[1] > 1:
+            return fp8.dequantize_block(parts["tensor"], parts["scale"], fmt.block, dtype)
+        return fp8.dequantize_scaled(parts["tensor"], parts["scale"], dtype)
+    q = pack.unpack_int4(parts["weight_packed"])[:, : t.shape[1]]
+    zp = parts.get("weight_zero_point")
+    if zp is not None:
+        zp = pack.unpack_int4(zp, packed_dim=0)[: t.shape[0]]
+    return rtn.dequantize_groups(q, parts["weight_scale"], zp).to(dtype)

@@ -1,0 +1,231 @@
+"""The `quantize` command line: parse, call the library, render. No logic of its own."""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
+
+from quantize import __version__, hub
+from quantize import recipe as recipes
+from quantize.checkpoint import Checkpoint
+from quantize.errors import QuantizeError
+
+err = Console(stderr=True)
+out = Console()
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$", re.IGNORECASE)
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(_ctx, _param, value: str) -> int:
+    m = SIZE.match(value)
+    if not m:
+        raise click.BadParameter(f"{value!r} is not a size like 5GB, 500MB or 2GiB")
+    return int(float(m[1]) * UNITS[(m[2] or "b").lower()])
+
+
+def fail(e: QuantizeError) -> None:
+    err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+    sys.exit(e.exit_code)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise QuantizeError(f"--device {device}: no CUDA device is visible; use --device cpu")
+    return device
+
+
+def load_recipe(recipe_path: str | None, scheme: str | None, group_size: int, method: str):
+    if recipe_path and scheme:
+        raise click.UsageError("give --recipe or --scheme, not both")
+    if recipe_path:
+        return recipes.load(Path(recipe_path))
+    return recipes.preset(scheme or "w4a16", group_size, method)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="quantize")
+def main() -> None:
+    """Quantize giant Mixture-of-Experts checkpoints (Kimi K2, GLM-4.x/5, DeepSeek V3, dense Llama/Qwen)
+    to INT4 in the compressed-tensors pack-quantized layout that vLLM and SGLang load as-is.
+
+    \b
+    Every command streams: memory is bounded by the largest tensor, never by the model.
+    SRC is a Hugging Face Hub repo id (org/name[@revision]) or a local model folder.
+
+    \b
+    Typical session:
+      quantize inspect moonshotai/Kimi-K2-Instruct --recipe recipes/kimi-k2-w4a16.yaml
+      quantize convert moonshotai/Kimi-K2-Instruct out/kimi-int4 --recipe recipes/kimi-k2-w4a16.yaml --tp 8
+
+    Exit codes: 0 done, 1 the input or environment failed (message says what to do), 2 invalid request.
+    """
+
+
+@main.command()
+@click.argument("src")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def download(src: str, as_json: bool) -> None:
+    """Fetch SRC from the Hub into the HF cache (safetensors, configs, tokenizer, remote-code files; never
+    pickle weights). Resumes an interrupted download. Prints the local folder."""
+    try:
+        folder, info = hub.resolve(src)
+    except QuantizeError as e:
+        fail(e)
+    if as_json:
+        out.print_json(json.dumps({"path": str(folder), **info}))
+    else:
+        out.print(str(folder), highlight=False)
+
+
+@main.command()
+@click.argument("src")
+@click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False), help="Recipe YAML (see recipes/).")
+@click.option("--scheme", type=click.Choice(["w4a16"]), help="Quantize every Linear but lm_head (instead of --recipe).")
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True)
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: str, max_shard_size: int, as_json: bool) -> None:
+    """Describe SRC: architecture, parameters by kind, source format, bytes on disk, what the recipe would
+    quantize and the output size it would give. Reads headers only.
+
+    \b
+    Example:
+      quantize inspect fixtures/kimi-k2-fp8 --recipe recipes/kimi-k2-w4a16.yaml
+    """
+    from quantize import tensor_plan
+
+    try:
+        r = load_recipe(recipe_path, scheme, int(group_size), "rtn")
+        folder, _ = hub.resolve(src)
+        plan = tensor_plan.build(Checkpoint(folder), r, max_shard_size)
+    except QuantizeError as e:
+        fail(e)
+    s = tensor_plan.summary(plan)
+    if as_json:
+        out.print_json(json.dumps(s))
+        return
+    t = Table(title=f"{src}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("architecture", f"{s['architecture']} (model_type {s['model_type']})")
+    t.add_row("layers", f"{s['num_hidden_layers']} + MTP {s['mtp_layers'] or 'none'}")
+    if s["n_routed_experts"]:
+        t.add_row("experts", f"{s['n_routed_experts']} routed, moe_intermediate_size {s['moe_intermediate_size']}")
+    t.add_row("source", f"{s['source_format']} ({s['dtype']}), {s['shards']} shard(s), {gib(s['bytes_on_disk'])} on disk")
+    t.add_row("parameters", f"{s['parameters'] / 1e9:.3f} B")
+    for kind, n in s["parameters_by_kind"].items():
+        t.add_row(f"  {kind}", f"{n / 1e6:,.2f} M")
+    t.add_row("recipe", f"{s['recipe']}: {s['scheme']}")
+    t.add_row("quantizes", ", ".join(f"{n} {k}" for k, n in s["quantized_modules_by_kind"].items()) or "nothing")
+    t.add_row("output", f"{gib(s['output_bytes'])} in {s['output_shards']} shard(s)")
+    t.add_row("serves at TP", ", ".join(map(str, s["tp_served"])) or "none (Marlin rules)")
+    out.print(t)
+    for w in s["warnings"]:
+        err.print(f"[yellow]warning:[/] {w}", highlight=False)
+
+
+@main.command()
+@click.argument("src")
+@click.argument("out_dir", metavar="OUT", type=click.Path(file_okay=False))
+@click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False), help="Recipe YAML (see recipes/).")
+@click.option("--scheme", type=click.Choice(["w4a16"]), help="Quantize every Linear but lm_head (instead of --recipe).")
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
+              help="Columns per scale, with --scheme.")
+@click.option("--method", type=click.Choice(["rtn"]), default="rtn", show_default=True)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size, help="Largest output shard.")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64), help="Shards converted at once.")
+@click.option("--tp", type=click.IntRange(1, 64), help="Refuse unless the output serves at this tensor-parallel size.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT (and any interrupted OUT.partial).")
+@click.option("--resume", is_flag=True, help="Continue an interrupted conversion from OUT.partial.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+def convert(
+    src, out_dir, recipe_path, scheme, group_size, method, device, max_shard_size, workers, tp, overwrite, resume, as_json
+):
+    """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT.
+
+    \b
+    Inputs: BF16/FP16 safetensors, DeepSeek-style FP8 blocks (Kimi K2, DeepSeek V3), compressed-tensors
+    FP8 and INT4. Routers, norms, embeddings, lm_head and MTP layers stay float; FP8 weights the recipe
+    leaves alone become BF16. Work happens in OUT.partial/ and becomes OUT/ only when complete and checked.
+
+    \b
+    Examples:
+      quantize convert moonshotai/Kimi-K2-Instruct out/k2-int4 --recipe recipes/kimi-k2-w4a16.yaml --tp 8
+      quantize convert ./Llama-3.1-8B out/llama-int4 --scheme w4a16 --group-size 128
+      quantize convert zai-org/GLM-4.6 out/glm-int4 --recipe recipes/glm-w4a16.yaml --resume
+    """
+    from quantize import tensor_plan
+    from quantize.engine import stream
+
+    try:
+        r = load_recipe(recipe_path, scheme, int(group_size), method)
+        dev = resolve_device(device)
+        out_path = Path(out_dir)
+        stream.prepare_check(out_path, resume, overwrite)
+        folder, info = hub.resolve(src)
+        plan = tensor_plan.build(Checkpoint(folder), r, max_shard_size, tp=tp, workers=workers, device=dev)
+        for w in plan.warnings:
+            err.print(f"[yellow]warning:[/] {w}", highlight=False)
+        err.print(
+            f"{plan.model.arch.family} ({plan.model.model_type}) {plan.ckpt.format.kind} -> {r.scheme.label}: "
+            f"{plan.counts().get('quantize', 0) + plan.counts().get('passthrough', 0)} Linear weights to INT4, "
+            f"{len(plan.shards)} output shard(s); serves at TP {', '.join(map(str, plan.tp_served)) or 'none'}",
+            highlight=False,
+        )
+        with Progress(
+            TextColumn("[bold]converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+            console=err, transient=as_json,
+        ) as bar:
+            task = bar.add_task("convert", total=plan.src_bytes)
+            result = stream.run(
+                plan, out_path, device=dev, workers=workers, resume=resume, overwrite=overwrite, source_info=info,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )
+    except QuantizeError as e:
+        fail(e)
+    except KeyboardInterrupt:
+        err.print(f"interrupted; finished shards are kept: rerun with --resume to continue {out_dir}")
+        sys.exit(130)
+    report = {
+        "out": str(result.out),
+        "seconds": round(result.seconds, 3),
+        "source_bytes": result.src_bytes,
+        "output_bytes": result.out_bytes,
+        "gb_per_s": round(result.gb_per_s, 4),
+        "shards": result.shards,
+        "resumed_shards": result.resumed_shards,
+        "device": result.device,
+        "workers": result.workers,
+        "tensors": result.counts,
+        "tp_served": result.tp_served,
+        "warnings": result.warnings,
+    }
+    if as_json:
+        out.print_json(json.dumps(report))
+        return
+    t = Table(title=f"converted to {result.out}", title_justify="left")
+    for col in ("tensors", "count"):
+        t.add_column(col)
+    for action, n in sorted(result.counts.items()):
+        t.add_row(action, str(n))
+    out.print(t)
+    out.print(
+        f"{gib(plan.src_bytes)} -> {gib(result.out_bytes)} in {result.shards} shard(s)"
+        f"{f' ({result.resumed_shards} resumed)' if result.resumed_shards else ''}, {result.seconds:.1f} s, "
+        f"{result.gb_per_s:.2f} GB/s on {result.device}; serves at TP {', '.join(map(str, result.tp_served)) or 'none'}",
+        highlight=False,
+    )

@@ -1,0 +1,234 @@
+"""The stream engine: RTN conversion with no model and no data, one output shard per work unit.
+
+Each worker takes a whole output shard, reads its source tensors one at a time (pread, no mmap), decodes
+them on the chosen device, quantizes and packs, and appends the bytes to the shard. Peak memory is the
+largest tensors in flight, one per worker, whatever the model's size.
+"""
+
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quantize import __version__
+from quantize.checkpoint import INDEX_NAME
+from quantize.engine.state import State, fingerprint
+from quantize.errors import QuantizeError, UsageError
+from quantize.quant import pack, rtn
+from quantize.safetensors_file import read_header, read_tensor
+from quantize.tensor_plan import Entry, Plan
+from quantize.writer import (
+    MANIFEST_NAME,
+    ShardWriter,
+    copy_side_files,
+    finalize,
+    output_config,
+    sha256_file,
+    write_index,
+    write_json,
+)
+
+
+@dataclass
+class Result:
+    out: Path
+    seconds: float
+    src_bytes: int
+    out_bytes: int
+    shards: int
+    resumed_shards: int
+    device: str
+    workers: int
+    counts: dict
+    tp_served: list[int]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.src_bytes / 1e9 / max(self.seconds, 1e-9)
+
+
+def produce(plan: Plan, e: Entry, device: torch.device) -> list[torch.Tensor]:
+    """The output tensors of one plan entry, in the order of `e.outputs`."""
+    t = e.tensor
+    if e.action == "keep":
+        return [read_tensor(t.main)]
+    if e.action == "passthrough":
+        return list(plan.ckpt.read_parts(t).values())
+    w = plan.ckpt.decode(t, device).to(plan.ckpt.dtype)
+    if e.action == "dequantize":
+        return [w]
+    s = plan.recipe.scheme
+    scale, zero_point = rtn.group_qparams(w, s.group_size, s.num_bits, s.symmetric)
+    q = rtn.quantize_groups(w, scale, zero_point, s.num_bits)
+    out = [pack.pack_int4(q), scale, torch.tensor(t.shape, dtype=torch.int64)]
+    if zero_point is not None:
+        out.append(pack.pack_int4(zero_point, packed_dim=0))
+    return out
+
+
+def write_shard(plan: Plan, index: int, path: Path, device: torch.device, advance: Callable[[int], None]) -> tuple[int, str]:
+    entries = plan.shards[index]
+    writer = ShardWriter(path, [s for e in entries for s in e.outputs])
+    try:
+        for e in entries:
+            for spec, tensor in zip(e.outputs, produce(plan, e, device), strict=True):
+                writer.write(spec.name, tensor)
+            advance(e.tensor.stored_bytes)
+        return writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def partial_dir(out: Path) -> Path:
+    return out.with_name(out.name + ".partial")
+
+
+def plan_fingerprint(plan: Plan) -> str:
+    ckpt = plan.ckpt
+    return fingerprint(
+        {
+            "source": {n: [t.main.path.name, t.main.start, t.main.nbytes] for n, t in ckpt.tensors.items()},
+            "source_config": ckpt.config,
+            "recipe": plan.recipe.to_dict(),
+            "shards": [[s.name for e in shard for s in e.outputs] for shard in plan.shards],
+        }
+    )
+
+
+def prepare_check(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse a destination that would lose work, before anything is read or written."""
+    partial = partial_dir(out)
+    if out.exists() and not overwrite:
+        raise UsageError(f"{out} already exists; pass --overwrite to replace it")
+    if partial.exists() and not (resume or overwrite):
+        raise UsageError(f"{partial} holds an interrupted conversion; pass --resume to continue it or --overwrite to start over")
+
+
+def prepare(out: Path, resume: bool, overwrite: bool) -> Path:
+    """Check the destination and create OUT.partial (emptied unless resuming)."""
+    prepare_check(out, resume, overwrite)
+    partial = partial_dir(out)
+    if partial.exists() and not resume:
+        shutil.rmtree(partial)
+    try:
+        partial.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise QuantizeError(f"cannot create {partial}: {e.strerror}") from e
+    return partial
+
+
+def verify_output(folder: Path, plan: Plan, weight_map: dict[str, str]) -> None:
+    """The fast check before the rename: every shard parses and holds exactly what the index says."""
+    seen: dict[str, str] = {}
+    for name in plan.shard_names:
+        for tensor in read_header(folder / name):
+            seen[tensor] = name
+    if seen != weight_map:
+        missing = sorted(set(weight_map) - set(seen))[:3]
+        raise QuantizeError(f"output check failed: index and shards disagree (e.g. {missing}); rerun with --overwrite")
+
+
+def run(
+    plan: Plan,
+    out: Path,
+    *,
+    device: str = "cpu",
+    workers: int = 1,
+    resume: bool = False,
+    overwrite: bool = False,
+    source_info: dict | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Result:
+    """Convert per `plan` into `out`. `progress(done_bytes, total_bytes)` is called from worker threads."""
+    out = Path(out)
+    t0 = time.perf_counter()
+    partial = prepare(out, resume, overwrite)
+    state = State.open(partial, plan_fingerprint(plan), resume)
+    names = plan.shard_names
+    todo = [i for i, n in enumerate(names) if not _still_good(partial / n, state.done.get(n))]
+    need = sum(e.out_bytes for i in todo for e in plan.shards[i])
+    free = shutil.disk_usage(partial).free
+    if need > free:
+        raise QuantizeError(
+            f"the output needs {need / 2**30:.1f} GiB more but {partial} has {free / 2**30:.1f} GiB free; free space and rerun"
+        )
+    total = sum(e.tensor.stored_bytes for e in plan.entries)
+    done = [sum(e.tensor.stored_bytes for i, s in enumerate(plan.shards) if i not in todo for e in s)]
+    lock = threading.Lock()
+
+    def advance(n: int) -> None:
+        with lock:
+            done[0] += n
+            if progress:
+                progress(done[0], total)
+
+    advance(0)
+    dev = torch.device(device)
+    workers = max(1, min(workers, len(todo) or 1))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    try:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+
+            def one(i: int) -> None:
+                size, sha = write_shard(plan, i, partial / names[i], dev, advance)
+                with lock:
+                    state.mark(names[i], size=size, sha256=sha)
+
+            futures = [pool.submit(one, i) for i in todo]
+            try:
+                for f in futures:
+                    f.result()
+            except BaseException:
+                for f in futures:  # stop at the first failure: what finished is recorded for --resume
+                    f.cancel()
+                raise
+    finally:
+        torch.set_num_threads(threads)
+
+    weight_map = {s.name: names[i] for i, shard in enumerate(plan.shards) for e in shard for s in e.outputs}
+    write_index(partial, weight_map, plan.out_bytes)
+    write_json(partial / "config.json", output_config(plan.ckpt.config, plan.quantization_config()))
+    copied = copy_side_files(plan.ckpt.root, partial)
+    verify_output(partial, plan, weight_map)
+    files = {n: state.done[n] for n in names}
+    for name in ["config.json", INDEX_NAME, *copied]:
+        files[name] = {"size": (partial / name).stat().st_size, "sha256": sha256_file(partial / name)}
+    write_json(
+        partial / MANIFEST_NAME,
+        {
+            "tool": "quantize",
+            "tool_version": __version__,
+            "source": source_info or {"path": str(plan.ckpt.root)},
+            "recipe": plan.recipe.to_dict(),
+            "files": files,
+        },
+    )
+    (partial / "state.json").unlink()
+    finalize(partial, out, overwrite)
+    return Result(
+        out=out,
+        seconds=time.perf_counter() - t0,
+        src_bytes=sum(e.tensor.stored_bytes for i in todo for e in plan.shards[i]),
+        out_bytes=plan.out_bytes,
+        shards=len(names),
+        resumed_shards=len(names) - len(todo),
+        device=str(dev),
+        workers=workers,
+        counts=dict(plan.counts()),
+        tp_served=plan.tp_served,
+        warnings=plan.warnings,
+    )
+
+
+def _still_good(path: Path, info: dict | None) -> bool:
+    """A shard recorded as finished counts only if its bytes are still the ones recorded."""
+    return bool(info) and path.is_file() and path.stat().st_size == info["size"] and sha256_file(path) == info["sha256"]

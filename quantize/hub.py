@@ -1,0 +1,75 @@
+"""Resolve SRC (a Hub repo id `org/name[@revision]` or a local folder) to a local snapshot folder."""
+
+import os
+import re
+from pathlib import Path
+
+from quantize.errors import QuantizeError, UsageError
+
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
+# What a conversion needs; pickle weights (*.bin, *.pt) are never fetched.
+ALLOW_PATTERNS = [
+    "*.safetensors",
+    "*.json",
+    "*.py",
+    "*.jinja",
+    "*.txt",
+    "*.model",
+    "*.tiktoken",
+    "tokenizer*",
+    "*.md",
+    "LICENSE*",
+]
+
+
+def split_revision(src: str) -> tuple[str, str | None]:
+    repo_id, _, revision = src.partition("@")
+    return repo_id, revision or None
+
+
+def is_repo_id(src: str) -> bool:
+    return bool(REPO_ID.match(src)) and not src.startswith((".", "/", "~"))
+
+
+def resolve(src: str) -> tuple[Path, dict]:
+    """(local folder, source info for the manifest). Downloads into the normal HF cache when needed."""
+    path = Path(src).expanduser()
+    if path.is_dir():
+        return path, {"path": str(path.resolve())}
+    if path.exists():
+        raise UsageError(f"SRC {src} is a file; pass the model folder or a Hub repo id (org/name)")
+    if not is_repo_id(src):
+        raise UsageError(f"SRC {src} not found: not a folder, and not a Hub repo id of the form org/name[@revision]")
+    return download(src)
+
+
+def download(src: str) -> tuple[Path, dict]:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    repo_id, revision = split_revision(src)
+    try:
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS))
+    except GatedRepoError as e:
+        raise QuantizeError(f"{repo_id} is gated: accept its licence on the Hub and set HF_TOKEN") from e
+    except RepositoryNotFoundError as e:
+        raise QuantizeError(f"{repo_id} not found on the Hub (or private: set HF_TOKEN)") from e
+    except RevisionNotFoundError as e:
+        raise QuantizeError(f"{repo_id} has no revision {revision!r}") from e
+    except LocalEntryNotFoundError as e:
+        offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
+        raise QuantizeError(
+            f"{src} is not in the HF cache and the Hub cannot be reached{offline}; run `quantize download {src}` "
+            "where the Hub is reachable, or pass a local folder"
+        ) from e
+    except HfHubHTTPError as e:
+        raise QuantizeError(f"Hub error for {src}: {e}".splitlines()[0]) from e
+    except OSError as e:
+        raise QuantizeError(f"cannot download {src}: {e}") from e
+    return folder, {"repo_id": repo_id, "revision": folder.name, "requested_revision": revision}

@@ -1,0 +1,55 @@
+"""FP8 e4m3 weights with block scales (DeepSeek V3 / Kimi K2 on-disk format) and with per-channel or
+per-tensor scales (compressed-tensors `float-quantized`)."""
+
+import torch
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def _pad_to_blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows, cols = x.shape
+    pad_r, pad_c = -rows % block[0], -cols % block[1]
+    if pad_r or pad_c:
+        x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
+    return x
+
+
+def dequantize_block(
+    w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128), dtype=torch.bfloat16
+) -> torch.Tensor:
+    """fp8 w [out, in] times float32 scale_inv [ceil(out/bh), ceil(in/bw)], in fp32, cast to dtype.
+
+    Edge blocks are padded, as in the DeepSeek reference and compressed-tensors' FP8BlockDequantizer.
+    """
+    rows, cols = w.shape
+    bh, bw = block
+    n_r, n_c = -(-rows // bh), -(-cols // bw)
+    assert scale_inv.shape == (n_r, n_c), (
+        f"block scale shape {tuple(scale_inv.shape)} does not fit weight {tuple(w.shape)} with blocks {block}"
+    )
+    x = _pad_to_blocks(w.to(torch.float32), block).view(n_r, bh, n_c, bw)
+    x = (x * scale_inv.to(torch.float32).view(n_r, 1, n_c, 1)).view(n_r * bh, n_c * bw)
+    return x[:rows, :cols].to(dtype)
+
+
+def quantize_block(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float w [out, in] -> (fp8 e4m3 [out, in], float32 scale_inv [ceil(out/bh), ceil(in/bw)])."""
+    rows, cols = w.shape
+    bh, bw = block
+    n_r, n_c = -(-rows // bh), -(-cols // bw)
+    x = _pad_to_blocks(w.to(torch.float32), block).view(n_r, bh, n_c, bw)
+    amax = x.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax == 0, torch.ones_like(amax), amax / FP8_MAX)
+    q = (x / scale_inv.view(n_r, 1, n_c, 1)).clamp(-FP8_MAX, FP8_MAX).view(n_r * bh, n_c * bw)
+    return q[:rows, :cols].contiguous().to(torch.float8_e4m3fn), scale_inv
+
+
+def dequantize_scaled(w: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16) -> torch.Tensor:
+    """fp8 w [out, in] with a per-tensor ([] or [1]) or per-channel ([out, 1]) scale, in fp32, cast to dtype."""
+    s = scale.to(torch.float32)
+    if s.numel() == 1:
+        s = s.reshape(())
+    else:
+        assert s.shape in ((w.shape[0], 1), (w.shape[0],)), f"scale {tuple(scale.shape)} for weight {tuple(w.shape)}"
+        s = s.reshape(w.shape[0], 1)
+    return (w.to(torch.float32) * s).to(dtype)

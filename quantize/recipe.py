@@ -1,0 +1,162 @@
+"""Recipes: which Linear modules to quantize and how, as data (YAML in recipes/), validated once.
+
+Scheme fields and `targets` / `ignore` follow compressed-tensors: a pattern is an exact module name or
+`re:<regex>` matched from the start of the name; the target `Linear` means every Linear weight the
+architecture declares. The same lists go into the output's quantization_config, so vLLM and SGLang see
+exactly the split we made.
+"""
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+from quantize.errors import UsageError
+
+METHODS = ("rtn",)
+GROUP_SIZES = (32, 64, 128)
+RECIPE_KEYS = {"name", "description", "method", "scheme", "targets", "ignore"}
+SCHEME_KEYS = {"num_bits", "group_size", "symmetric", "strategy", "type"}
+
+
+@dataclass(frozen=True)
+class Scheme:
+    num_bits: int = 4
+    group_size: int = 128
+    symmetric: bool = True
+    strategy: str = "group"
+    type: str = "int"
+
+    @property
+    def label(self) -> str:
+        return f"w{self.num_bits}a16 g{self.group_size} {'sym' if self.symmetric else 'asym'}"
+
+    def args(self) -> QuantizationArgs:
+        return QuantizationArgs(
+            num_bits=self.num_bits,
+            group_size=self.group_size,
+            symmetric=self.symmetric,
+            strategy=self.strategy,
+            type=self.type,
+        )
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    scheme: Scheme
+    method: str = "rtn"
+    targets: tuple[str, ...] = ("Linear",)
+    ignore: tuple[str, ...] = ("lm_head",)
+    description: str = ""
+    source: str = field(default="", compare=False)
+
+    def targets_module(self, module: str, is_linear: bool) -> bool:
+        """Whether a module is quantized: a Linear that a target names and no ignore pattern matches."""
+        if not is_linear or any(matches(p, module) for p in self.ignore):
+            return False
+        return any(t == "Linear" or matches(t, module) for t in self.targets)
+
+    def quantization_config(self, extra_ignore: tuple[str, ...] = ()) -> dict:
+        """The compressed-tensors `quantization_config` for config.json, built by the library itself."""
+        qc = QuantizationConfig(
+            config_groups={
+                "group_0": QuantizationScheme(
+                    targets=list(self.targets), weights=self.scheme.args(), format="pack-quantized"
+                )
+            },
+            format="pack-quantized",
+            quantization_status="compressed",
+            ignore=list(self.ignore) + [p for p in extra_ignore if p not in self.ignore],
+        )
+        return qc.model_dump(mode="json")
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "method": self.method,
+            "scheme": vars(self.scheme),
+            "targets": list(self.targets),
+            "ignore": list(self.ignore),
+        }
+
+
+def matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return pattern == name
+
+
+def _scheme(raw: object, where: str) -> Scheme:
+    if not isinstance(raw, dict):
+        raise UsageError(f"{where}: `scheme` must be a mapping of {sorted(SCHEME_KEYS)}")
+    unknown = set(raw) - SCHEME_KEYS
+    if unknown:
+        raise UsageError(f"{where}: unknown scheme key(s) {sorted(unknown)}; allowed: {sorted(SCHEME_KEYS)}")
+    s = Scheme(**raw)
+    if s.num_bits != 4 or s.type != "int" or s.strategy != "group":
+        raise UsageError(f"{where}: only INT4 group schemes are supported (num_bits 4, type int, strategy group)")
+    if s.group_size not in GROUP_SIZES:
+        raise UsageError(f"{where}: group_size {s.group_size} is not one vLLM's Marlin kernels serve; use one of {GROUP_SIZES}")
+    if not isinstance(s.symmetric, bool):
+        raise UsageError(f"{where}: symmetric must be true or false")
+    return s
+
+
+def from_dict(raw: object, where: str) -> Recipe:
+    if not isinstance(raw, dict):
+        raise UsageError(f"{where}: a recipe is a YAML mapping")
+    unknown = set(raw) - RECIPE_KEYS
+    if unknown:
+        raise UsageError(f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(RECIPE_KEYS)}")
+    method = raw.get("method", "rtn")
+    if method not in METHODS:
+        raise UsageError(f"{where}: method {method!r} is not available; choose one of {METHODS}")
+    for key in ("targets", "ignore"):
+        value = raw.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise UsageError(f"{where}: `{key}` must be a list of module names or re: patterns")
+        for p in value:
+            if p.startswith("re:"):
+                try:
+                    re.compile(p[3:])
+                except re.error as e:
+                    raise UsageError(f"{where}: bad regex in {key}: {p!r} ({e})") from e
+    return Recipe(
+        name=str(raw.get("name") or Path(where).stem),
+        scheme=_scheme(raw.get("scheme", {}), where),
+        method=method,
+        targets=tuple(raw.get("targets") or ["Linear"]),
+        ignore=tuple(raw.get("ignore", ["lm_head"])),
+        description=str(raw.get("description", "")),
+        source=where,
+    )
+
+
+def load(path: Path) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"recipe {path} not found; see recipes/ for examples")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise UsageError(f"{path}: not valid YAML ({e})") from e
+    return from_dict(raw, str(path))
+
+
+def preset(scheme: str, group_size: int, method: str = "rtn", symmetric: bool = True) -> Recipe:
+    """The recipe for `--scheme w4a16 --group-size G`: every Linear but lm_head."""
+    if scheme != "w4a16":
+        raise UsageError(f"scheme {scheme!r} is not available; choose w4a16")
+    return from_dict(
+        {
+            "name": f"{scheme}-g{group_size}",
+            "method": method,
+            "scheme": {"num_bits": 4, "group_size": group_size, "symmetric": symmetric},
+            "targets": ["Linear"],
+            "ignore": ["lm_head"],
+        },
+        f"--scheme {scheme}",
+    )

@@ -1,0 +1,255 @@
+"""The conversion plan: for every tensor, what happens to it and what it becomes on disk, decided and
+validated before a byte is written (group size vs shapes, serving rules, memory)."""
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from quantize import arch
+from quantize.checkpoint import Checkpoint, LogicalTensor
+from quantize.errors import QuantizeError, UsageError
+from quantize.recipe import Recipe
+from quantize.safetensors_file import DTYPE_NAMES, TensorSpec
+
+TP_SIZES = (1, 2, 4, 8, 16)
+# decode (fp32) + model-dtype copy + scaled copy + codes + packed, per element, over the stored bytes
+WORK_BYTES_PER_ELEMENT = 4 + 2 + 2 + 1 + 1
+
+
+@dataclass(frozen=True)
+class Entry:
+    tensor: LogicalTensor
+    role: arch.Role
+    action: str  # quantize | passthrough | keep | dequantize
+    outputs: tuple[TensorSpec, ...]
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(s.nbytes for s in self.outputs)
+
+
+@dataclass
+class Plan:
+    ckpt: Checkpoint
+    model: arch.Model
+    recipe: Recipe
+    entries: list[Entry]
+    shards: list[list[Entry]]
+    extra_ignore: tuple[str, ...]
+    tp_served: list[int]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def shard_names(self) -> list[str]:
+        n = len(self.shards)
+        return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(e.out_bytes for e in self.entries)
+
+    @property
+    def src_bytes(self) -> int:
+        return sum(e.tensor.stored_bytes for e in self.entries)
+
+    def quantization_config(self) -> dict:
+        return self.recipe.quantization_config(self.extra_ignore)
+
+    def counts(self) -> Counter:
+        return Counter(e.action for e in self.entries)
+
+
+def quantized_specs(name: str, shape: tuple[int, ...], recipe: Recipe, scale_dtype: str) -> tuple[TensorSpec, ...]:
+    """The pack-quantized tensors that replace `X.weight` [out, in]."""
+    module = name.rpartition(".")[0]
+    out_f, in_f = shape
+    g = recipe.scheme.group_size
+    specs = [
+        TensorSpec(f"{module}.weight_packed", "I32", (out_f, in_f * recipe.scheme.num_bits // 32)),
+        TensorSpec(f"{module}.weight_scale", scale_dtype, (out_f, in_f // g)),
+        TensorSpec(f"{module}.weight_shape", "I64", (2,)),
+    ]
+    if not recipe.scheme.symmetric:
+        specs.append(TensorSpec(f"{module}.weight_zero_point", "I32", (math.ceil(out_f / 8), in_f // g)))
+    return tuple(specs)
+
+
+def _same_scheme(ckpt: Checkpoint, recipe: Recipe) -> bool:
+    f, s = ckpt.format, recipe.scheme
+    return f.kind == "ct-int4" and (f.num_bits, f.group_size, f.symmetric) == (s.num_bits, s.group_size, s.symmetric)
+
+
+def moe_tp_ok(model: arch.Model, group_size: int, tp: int) -> bool:
+    """vLLM / SGLang Marlin MoE: hidden % 128 == 0 and (moe_intermediate / tp) % max(64, group_size) == 0."""
+    inter = model.moe_intermediate_size
+    if inter is None or inter % tp:
+        return False
+    return model.hidden_size % 128 == 0 and (inter // tp) % max(64, group_size) == 0
+
+
+def dense_tp_ok(entries: list[Entry], group_size: int, tp: int) -> bool:
+    """Marlin dense: per-rank out % 64 and in % 128 (in % group_size) for column- and row-parallel Linears."""
+    for e in entries:
+        if e.action not in ("quantize", "passthrough") or e.role.kind == "expert":
+            continue
+        out_f, in_f = e.tensor.shape
+        row_parallel = e.role.module.endswith(("o_proj", "down_proj"))
+        if row_parallel:
+            if in_f % tp or (in_f // tp) % 128 or (in_f // tp) % group_size or out_f % 64:
+                return False
+        elif out_f % tp or (out_f // tp) % 64 or in_f % 128:
+            return False
+    return True
+
+
+def _extra_ignore(model: arch.Model, names: list[str]) -> tuple[str, ...]:
+    """Patterns for what stays float outside the recipe's reach: MTP layers and a multimodal wrapper's towers."""
+    extra = []
+    mtp = sorted({r.layer for r in (model.role(x) for x in names) if r.kind == "mtp"})
+    for layer in mtp:
+        extra.append(f"re:{re.escape(model.prefix)}model\\.layers\\.{layer}\\..*")
+    if model.prefix:
+        towers = sorted({x.split(".", 1)[0] for x in names if not x.startswith(model.prefix)})
+        extra += [f"re:{re.escape(t)}\\..*" for t in towers]
+    return tuple(extra)
+
+
+def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None = None, workers: int = 1,
+          device: str = "cpu") -> Plan:
+    """Decide every tensor's fate and the output shards; raise before anything is written if it cannot work."""
+    model = arch.resolve(ckpt.config, list(ckpt.tensors))
+    arch.check_against_tensors(model, {n: t.shape for n, t in ckpt.tensors.items()})
+    dtype = DTYPE_NAMES[ckpt.dtype]
+    g = recipe.scheme.group_size
+    entries: list[Entry] = []
+    bad_groups: list[str] = []
+    warnings: list[str] = []
+    passthrough = _same_scheme(ckpt, recipe)
+    for name, t in ckpt.tensors.items():
+        role = model.role(name, len(t.shape))
+        if recipe.targets_module(role.module, role.linear):
+            if t.shape[1] % g:
+                bad_groups.append(f"{name} (in_features {t.shape[1]})")
+                continue
+            if t.encoding == "ct-int4" and passthrough:
+                specs = tuple(TensorSpec(p.name, p.dtype, p.shape) for p in t.parts.values())
+                entries.append(Entry(t, role, "passthrough", specs))
+            else:
+                entries.append(Entry(t, role, "quantize", quantized_specs(name, t.shape, recipe, dtype)))
+        elif t.encoding == "float":
+            entries.append(Entry(t, role, "keep", (TensorSpec(name, t.stored_dtype, t.shape),)))
+        else:
+            entries.append(Entry(t, role, "dequantize", (TensorSpec(name, dtype, t.shape),)))
+    if bad_groups:
+        raise UsageError(
+            f"group_size {g} does not divide in_features of {len(bad_groups)} targeted weight(s), e.g. "
+            f"{bad_groups[0]}; choose a group size that divides it or ignore those modules"
+        )
+    if not any(e.action in ("quantize", "passthrough") for e in entries):
+        raise UsageError(
+            f"recipe {recipe.name} quantizes nothing in this {model.model_type} checkpoint; check its targets and ignore"
+        )
+    if ckpt.format.kind == "ct-int4":
+        if not passthrough and any(e.tensor.encoding == "ct-int4" and e.action == "quantize" for e in entries):
+            warnings.append(
+                f"source is INT4 {ckpt.format.group_size=} {ckpt.format.symmetric=}; a different scheme dequantizes and "
+                "re-quantizes its weights (error compounds)"
+            )
+        if any(e.action == "dequantize" and e.tensor.encoding == "ct-int4" for e in entries):
+            warnings.append("INT4 source weights the recipe does not target are written back as BF16 (larger)")
+    experts_quantized = any(e.role.kind == "expert" and e.action != "keep" for e in entries)
+    if experts_quantized:
+        served = [n for n in TP_SIZES if moe_tp_ok(model, g, n)]
+    else:
+        served = [n for n in TP_SIZES if dense_tp_ok(entries, g, n)]
+    if tp is not None and tp not in served:
+        if experts_quantized:
+            inter = model.moe_intermediate_size
+            raise UsageError(
+                f"--tp {tp} cannot serve this output: Marlin MoE needs hidden_size % 128 == 0 (hidden {model.hidden_size}) "
+                f"and (moe_intermediate_size / tp) % max(64, group_size) == 0 ({inter} / {tp} with group {g}); "
+                f"it serves at TP {served or 'none'}; pick another --tp or group size"
+            )
+        warnings.append(f"TP {tp} is outside what Marlin kernels serve for these shapes (TP {served or 'none'})")
+    shards = _assign_shards(entries, max_shard_size)
+    plan = Plan(ckpt, model, recipe, entries, shards, _extra_ignore(model, list(ckpt.tensors)), served, warnings)
+    check_memory(plan, workers, device)
+    return plan
+
+
+def _assign_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry]]:
+    shards: list[list[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + e.out_bytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.out_bytes
+    return shards
+
+
+def peak_work_bytes(plan: Plan, workers: int) -> int:
+    """Memory the stream engine needs at once: the largest tensors in flight, one per worker."""
+    sizes = sorted((math.prod(e.tensor.shape) * WORK_BYTES_PER_ELEMENT for e in plan.entries), reverse=True)
+    return sum(sizes[:workers])
+
+
+def check_memory(plan: Plan, workers: int, device: str) -> None:
+    need = peak_work_bytes(plan, workers)
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        where = device
+    else:
+        free = psutil.virtual_memory().available
+        where = "host RAM"
+    if need > free:
+        raise QuantizeError(
+            f"converting needs about {need / 2**30:.1f} GiB of {where} for {workers} worker(s) but "
+            f"{free / 2**30:.1f} GiB is free; use fewer --workers or free memory"
+        )
+
+
+def parameter_counts(plan: Plan) -> dict[str, int]:
+    counts: Counter = Counter()
+    for e in plan.entries:
+        counts[e.role.kind] += math.prod(e.tensor.shape)
+    return dict(counts.most_common())
+
+
+def summary(plan: Plan) -> dict:
+    """What `inspect` reports: architecture, parameters by kind, source format and size, what the recipe does."""
+    model, ckpt = plan.model, plan.ckpt
+    by_kind: Counter = Counter()
+    for e in plan.entries:
+        if e.action in ("quantize", "passthrough"):
+            by_kind[e.role.kind] += 1
+    return {
+        "source": str(ckpt.root),
+        "architecture": model.arch.family,
+        "model_type": model.model_type,
+        "num_hidden_layers": model.num_hidden_layers,
+        "mtp_layers": sorted({e.role.layer for e in plan.entries if e.role.kind == "mtp"}),
+        "hidden_size": model.hidden_size,
+        "n_routed_experts": model.n_routed_experts,
+        "moe_intermediate_size": model.moe_intermediate_size,
+        "source_format": ckpt.format.kind,
+        "dtype": DTYPE_NAMES[ckpt.dtype],
+        "shards": len(ckpt.shards),
+        "bytes_on_disk": ckpt.total_bytes,
+        "parameters": sum(parameter_counts(plan).values()),
+        "parameters_by_kind": parameter_counts(plan),
+        "recipe": plan.recipe.name,
+        "scheme": plan.recipe.scheme.label,
+        "quantized_modules": sum(by_kind.values()),
+        "quantized_modules_by_kind": dict(by_kind),
+        "actions": dict(plan.counts()),
+        "output_bytes": plan.out_bytes,
+        "output_shards": len(plan.shards),
+        "tp_served": plan.tp_served,
+        "warnings": plan.warnings,
+    }

@@ -1,0 +1,59 @@
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import make_fixture  # noqa: E402
+
+RECIPES = ROOT / "recipes"
+RECIPE_FOR = {
+    "kimi-k2-fp8": "kimi-k2-w4a16",
+    "kimi-k25-int4": "kimi-k2-w4a16",
+    "glm4-moe-bf16": "glm-w4a16",
+    "glm4-moe-fp8": "glm-w4a16",
+    "glm5-bf16": "glm-w4a16",
+    "llama-bf16": "dense-w4a16",
+}
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("fixtures")
+    for kind in make_fixture.BUILDERS:
+        make_fixture.build(kind, root / kind)
+    return root
+
+
+@pytest.fixture(scope="session")
+def converted(fixtures_dir, tmp_path_factory):
+    """Each fixture converted once with its release recipe (the CLI's library path), keyed by fixture name."""
+    from quantize import recipe
+    from quantize.checkpoint import Checkpoint
+    from quantize.engine import stream
+    from quantize.tensor_plan import build
+
+    root = tmp_path_factory.mktemp("converted")
+    outs = {}
+    for kind, r in RECIPE_FOR.items():
+        plan = build(Checkpoint(fixtures_dir / kind), recipe.load(RECIPES / f"{r}.yaml"), max_shard_size=2**20)
+        stream.run(plan, root / kind)
+        outs[kind] = root / kind
+    return outs
+
+
+def read_all(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def config_of(folder: Path) -> dict:
+    return json.loads((folder / "config.json").read_text())

@@ -1,0 +1,202 @@
+"""Bad input: a one-line error that says what to do, exit 2 for usage and 1 for runtime, and no OUT."""
+
+import json
+import os
+import pickle
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from conftest import RECIPES
+
+from quantize.cli import main
+
+
+def run_cli(*args, env=None):
+    result = CliRunner().invoke(main, [str(a) for a in args], env=env)
+    return result.exit_code, result.stderr.strip()
+
+
+def convert(src, out, *extra):
+    return run_cli("convert", src, out, "--recipe", RECIPES / "kimi-k2-w4a16.yaml", *extra)
+
+
+@pytest.fixture
+def kimi(fixtures_dir, tmp_path):
+    """A private copy of the Kimi FP8 fixture to break."""
+    dst = tmp_path / "src"
+    shutil.copytree(fixtures_dir / "kimi-k2-fp8", dst)
+    return dst
+
+
+def assert_fails(code, err, expected_code, *words, out=None):
+    assert code == expected_code, err
+    assert len(err.splitlines()) == 1, err
+    for w in words:
+        assert w in err, err
+    if out is not None:
+        assert not out.exists() and not out.with_name(out.name + ".partial").exists() or expected_code == 2
+
+
+def index_of(src):
+    return json.loads((src / "model.safetensors.index.json").read_text())
+
+
+def write_index(src, index):
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_missing_src_is_a_usage_error(tmp_path):
+    out = tmp_path / "out"
+    code, err = convert(tmp_path / "nope", out)
+    assert_fails(code, err, 2, "not found")
+    assert not out.exists()
+
+
+def test_repo_id_while_offline_says_to_download_first(tmp_path):
+    # a real process: huggingface_hub reads HF_HUB_OFFLINE once, at import
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    p = subprocess.run([sys.executable, "-m", "quantize", "convert", "moonshotai/Kimi-K2-Instruct", str(out), "--recipe",
+                        str(RECIPES / "kimi-k2-w4a16.yaml")], env=env, capture_output=True, text=True, timeout=120)
+    assert_fails(p.returncode, p.stderr.strip(), 1, "not in the HF cache", "quantize download")
+    assert not out.exists()
+
+
+def test_missing_shard(kimi, tmp_path):
+    (kimi / "model-00002-of-00003.safetensors").unlink()
+    code, err = convert(kimi, tmp_path / "out")
+    assert_fails(code, err, 1, "model-00002-of-00003.safetensors", "missing", out=tmp_path / "out")
+
+
+def test_weight_without_its_scale(kimi, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    shard = kimi / "model-00003-of-00003.safetensors"
+    tensors = load_file(shard)
+    name = "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv"  # the scale that lives apart from its weight
+    del tensors[name]
+    save_file(tensors, shard)
+    index = index_of(kimi)
+    del index["weight_map"][name]
+    write_index(kimi, index)
+    code, err = convert(kimi, tmp_path / "out")
+    assert_fails(code, err, 1, "model.layers.1.mlp.experts.0.down_proj.weight_scale_inv", out=tmp_path / "out")
+
+
+@pytest.mark.parametrize("target", ["../elsewhere.safetensors", "/etc/passwd", "link.safetensors"])
+def test_index_entry_outside_the_folder(kimi, tmp_path, target):
+    if target == "link.safetensors":
+        outside = tmp_path / "outside.safetensors"
+        shutil.copy(kimi / "model-00001-of-00003.safetensors", outside)
+        os.symlink(outside, kimi / target)
+    index = index_of(kimi)
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = target
+    write_index(kimi, index)
+    code, err = convert(kimi, tmp_path / "out")
+    what = "leaves the checkpoint folder" if target == "link.safetensors" else "outside the checkpoint folder"
+    assert_fails(code, err, 1, what,
+                 out=tmp_path / "out")
+
+
+class Boom:
+    def __reduce__(self):
+        return (os.system, (f"touch {os.environ.get('BOOM_MARKER', '/tmp/boom')}",))
+
+
+def test_pickle_only_weights_are_refused_and_never_loaded(fixtures_dir, tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(fixtures_dir / "llama-bf16" / "config.json", src)
+    marker = tmp_path / "executed"
+    monkeypatch.setenv("BOOM_MARKER", str(marker))
+    (src / "pytorch_model.bin").write_bytes(pickle.dumps(Boom()))
+    code, err = convert(src, tmp_path / "out")
+    assert_fails(code, err, 1, "pickle", "pytorch_model.bin", out=tmp_path / "out")
+    assert not marker.exists()
+
+
+def test_group_size_that_does_not_divide_is_a_usage_error(tmp_path):
+    import make_fixture
+
+    src = tmp_path / "src"
+    make_fixture.build("llama-bf16", src)
+    cfg = json.loads((src / "config.json").read_text())
+    from safetensors.torch import load_file, save_file
+
+    shard = src / "model-00001-of-00001.safetensors"
+    tensors = load_file(shard)
+    for i in range(cfg["num_hidden_layers"]):  # intermediate 512 -> 480: down_proj in_features 480 % 128 != 0
+        p = f"model.layers.{i}.mlp."
+        tensors[p + "gate_proj.weight"] = tensors[p + "gate_proj.weight"][:480].contiguous()
+        tensors[p + "up_proj.weight"] = tensors[p + "up_proj.weight"][:480].contiguous()
+        tensors[p + "down_proj.weight"] = tensors[p + "down_proj.weight"][:, :480].contiguous()
+    save_file(tensors, shard)
+    out = tmp_path / "out"
+    code, err = run_cli("convert", src, out, "--scheme", "w4a16", "--group-size", "128")
+    assert_fails(code, err, 2, "group_size 128", "down_proj", "480")
+    assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_existing_out_needs_overwrite(fixtures_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    code, err = convert(fixtures_dir / "kimi-k2-fp8", out)
+    assert_fails(code, err, 2, "already exists", "--overwrite")
+    assert (out / "keep.txt").read_text() == "precious"
+
+
+def test_truncated_shard(kimi, tmp_path):
+    shard = kimi / "model-00001-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    code, err = convert(kimi, tmp_path / "out")
+    assert_fails(code, err, 1, "model-00001-of-00003.safetensors", "truncated", out=tmp_path / "out")
+
+
+def test_header_length_past_the_end(kimi, tmp_path):
+    shard = kimi / "model-00002-of-00003.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(struct.pack("<Q", len(data) * 2) + data[8:])
+    code, err = convert(kimi, tmp_path / "out")
+    assert_fails(code, err, 1, "header length", out=tmp_path / "out")
+
+
+def test_unknown_architecture_lists_the_supported_ones(kimi, tmp_path):
+    cfg = json.loads((kimi / "config.json").read_text())
+    cfg["model_type"] = "mamba2"
+    (kimi / "config.json").write_text(json.dumps(cfg))
+    code, err = convert(kimi, tmp_path / "out")
+    assert_fails(code, err, 1, "unknown architecture", "kimi_k2", "glm_moe_dsa", "llama", out=tmp_path / "out")
+
+
+def test_config_layer_count_that_disagrees_with_the_weights(kimi, tmp_path):
+    cfg = json.loads((kimi / "config.json").read_text())
+    cfg["num_hidden_layers"] = 5
+    (kimi / "config.json").write_text(json.dumps(cfg))
+    code, err = convert(kimi, tmp_path / "out")
+    assert_fails(code, err, 1, "num_hidden_layers=5", out=tmp_path / "out")
+
+
+def test_recipe_with_unknown_key(fixtures_dir, tmp_path):
+    bad = tmp_path / "r.yaml"
+    bad.write_text((RECIPES / "kimi-k2-w4a16.yaml").read_text() + "\ngroup_sise: 64\n")
+    code, err = run_cli("convert", fixtures_dir / "kimi-k2-fp8", tmp_path / "out", "--recipe", bad)
+    assert_fails(code, err, 2, "unknown key", "group_sise")
+
+
+def test_cli_convert_json_and_inspect_json(fixtures_dir, tmp_path):
+    result = CliRunner().invoke(main, ["convert", str(fixtures_dir / "glm5-bf16"), str(tmp_path / "o"), "--recipe",
+                                       str(RECIPES / "glm-w4a16.yaml"), "--json", "--tp", "2"])
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["tensors"]["quantize"] == 48 and report["tp_served"] == [1, 2]
+    result = CliRunner().invoke(main, ["inspect", str(fixtures_dir / "glm5-bf16"), "--recipe", str(RECIPES / "glm-w4a16.yaml"),
+                                       "--json"])
+    assert result.exit_code == 0, result.stderr
+    s = json.loads(result.stdout)
+    assert s["architecture"] == "glm_moe_dsa" and s["parameters_by_kind"]["indexer"] > 0

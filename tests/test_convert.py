@@ -1,0 +1,225 @@
+"""End-to-end conversions of the tiny fixtures: layout, schema, loading in transformers, passthrough."""
+
+import json
+
+import pytest
+import torch
+from compressed_tensors.compressors import PackedQuantizationCompressor
+from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+from conftest import RECIPES, config_of, read_all
+
+from quantize import recipe
+from quantize.checkpoint import Checkpoint
+from quantize.engine import stream
+from quantize.errors import UsageError
+from quantize.quant import rtn
+from quantize.tensor_plan import build
+
+
+def test_kimi_fp8_output_is_byte_identical_to_compressed_tensors(fixtures_dir, converted):
+    """Every quantized expert: dequantize the FP8 source with the library's FP8BlockDequantizer, compress with
+    the library's PackedQuantizationCompressor, and compare bytes with what we wrote."""
+    src = read_all(fixtures_dir / "kimi-k2-fp8")
+    out = read_all(converted["kimi-k2-fp8"])
+    args = QuantizationArgs(num_bits=4, group_size=32, symmetric=True, strategy="group", type="int")
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    dequant = FP8BlockDequantizer()
+    modules = sorted(k[: -len(".weight_packed")] for k in out if k.endswith(".weight_packed"))
+    assert len(modules) == 2 * 8 * 3  # two MoE decoder layers x 8 experts x gate/up/down; MTP stays float
+    for m in modules:
+        w = dequant._create_dequantized_weight(src[f"{m}.weight"], src[f"{m}.weight_scale_inv"])
+        scale, zp = compute_dynamic_scales_and_zp(w, args, module=None)
+        ref = PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
+        for part in ("weight_packed", "weight_scale", "weight_shape"):
+            assert out[f"{m}.{part}"].dtype == ref[part].dtype, (m, part)
+            assert torch.equal(out[f"{m}.{part}"], ref[part]), (m, part)
+    # FP8 weights the recipe leaves alone become BF16, dequantized exactly as the library does
+    attn = "model.layers.1.self_attn.kv_a_proj_with_mqa"
+    assert out[f"{attn}.weight"].dtype == torch.bfloat16
+    ref = dequant._create_dequantized_weight(src[f"{attn}.weight"], src[f"{attn}.weight_scale_inv"])
+    assert torch.equal(out[f"{attn}.weight"], ref)
+    assert not any(k.endswith(("weight_scale_inv", "input_scale")) for k in out)
+    # router and its float32 bias, norms, embeddings pass through untouched
+    for k in ("model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias", "model.embed_tokens.weight",
+              "lm_head.weight", "model.norm.weight"):
+        assert torch.equal(out[k], src[k]) and out[k].dtype == src[k].dtype
+
+
+def test_output_config_and_index_schema(fixtures_dir, converted):
+    out = converted["kimi-k2-fp8"]
+    cfg = config_of(out)
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    assert qc["quantization_status"] == "compressed"
+    w = qc["config_groups"]["group_0"]["weights"]
+    assert (w["num_bits"], w["group_size"], w["symmetric"], w["strategy"], w["type"]) == (4, 32, True, "group", "int")
+    assert qc["config_groups"]["group_0"]["targets"] == ["Linear"]
+    kimi_ignore = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
+    assert qc["ignore"][:4] == kimi_ignore
+    assert r"re:model\.layers\.3\..*" in qc["ignore"]  # the MTP layer stays BF16 and says so
+    assert "weight_block_size" not in json.dumps(qc)
+    assert cfg["model_type"] == "kimi_k2" and cfg["auto_map"]["AutoConfig"] == "configuration_deepseek.DeepseekV3Config"
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tensors = read_all(out)
+    assert set(index["weight_map"]) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) > 1 and all(p.stat().st_size <= 2**20 + 2**14 for p in shards)  # --max-shard-size 1 MiB + header
+    assert not list(out.glob("*.tmp")) and not (out.parent / f"{out.name}.partial").exists()
+    manifest = json.loads((out / "quantize-manifest.json").read_text())
+    assert set(manifest["files"]) >= {p.name for p in shards} | {"config.json", "model.safetensors.index.json"}
+
+
+def test_mtp_layer_and_remote_code_are_carried(fixtures_dir, converted):
+    out = converted["kimi-k2-fp8"]
+    tensors = read_all(out)
+    mtp = {k for k in tensors if k.startswith("model.layers.3.")}
+    assert {"model.layers.3.eh_proj.weight", "model.layers.3.shared_head.head.weight", "model.layers.3.enorm.weight",
+            "model.layers.3.mlp.experts.7.down_proj.weight"} <= mtp
+    assert all(tensors[k].dtype in (torch.bfloat16, torch.float32) for k in mtp)
+    for f in ("configuration_deepseek.py", "modeling_deepseek.py", "tokenizer.json", "tokenizer_config.json",
+              "chat_template.jinja", "generation_config.json"):
+        assert (out / f).read_bytes() == (fixtures_dir / "kimi-k2-fp8" / f).read_bytes()
+
+
+def _fake_quant_reference(src_dir, out_dir, tmp_path):
+    """A BF16 folder of the source weights with every quantized module replaced by its RTN fake-quantization."""
+    from safetensors.torch import save_file
+
+    ckpt = Checkpoint(src_dir)
+    out_cfg = config_of(out_dir)
+    quantized = {k[: -len(".weight_packed")] for k in read_all(out_dir) if k.endswith(".weight_packed")}
+    group = out_cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"]
+    tensors = {}
+    for name, t in ckpt.tensors.items():
+        w = ckpt.decode(t)
+        if name[: -len(".weight")] in quantized:
+            w = rtn.fake_quantize(w.to(torch.bfloat16), group)
+        tensors[name] = w.contiguous()
+    save_file(tensors, tmp_path / "model.safetensors")
+    out_cfg.pop("quantization_config")
+    (tmp_path / "config.json").write_text(json.dumps(out_cfg))
+    return tmp_path
+
+
+def _load(folder):
+    """Load with transformers; kimi_k2 is not registered there, so it goes through a DeepseekV3Config."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = config_of(folder)
+    if cfg["model_type"] == "kimi_k2":
+        cfg.pop("auto_map")
+        cfg["model_type"] = "deepseek_v3"
+        return DeepseekV3ForCausalLM.from_pretrained(folder, config=DeepseekV3Config(**cfg), output_loading_info=True,
+                                                     dtype=torch.bfloat16)
+    return AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["kimi-k2-fp8", "glm4-moe-bf16", "glm4-moe-fp8", "glm5-bf16", "llama-bf16"])
+def test_converted_fixture_loads_in_transformers_and_matches_fake_quant(kind, fixtures_dir, converted, tmp_path):
+    model, info = _load(converted[kind])
+    n_layers = config_of(converted[kind])["num_hidden_layers"]
+    assert info["missing_keys"] == set() and info["mismatched_keys"] == set()
+    # transformers drops MTP layers on load; nothing else may be left over
+    assert all(k.startswith(f"model.layers.{n_layers}.") for k in info["unexpected_keys"])
+    ref, ref_info = _load(_fake_quant_reference(fixtures_dir / kind, converted[kind], tmp_path))
+    ids = torch.tensor([[1, 17, 230, 5, 99, 512, 3]])
+    with torch.no_grad():
+        got, want = model(ids).logits, ref(ids).logits
+    assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=0), (got - want).abs().max()
+    # and the quantization is real: the unquantized source gives different logits
+    src, _ = _load(fixtures_dir / kind) if kind != "glm4-moe-fp8" and kind != "kimi-k2-fp8" else (None, None)
+    if src is not None:
+        with torch.no_grad():
+            assert not torch.allclose(src(ids).logits.float(), got.float(), atol=1e-3)
+
+
+def test_kimi_k25_int4_same_scheme_passes_through_bytes(fixtures_dir, converted):
+    src, out = read_all(fixtures_dir / "kimi-k25-int4"), read_all(converted["kimi-k25-int4"])
+    assert set(src) == set(out)
+    for k in src:
+        assert torch.equal(src[k], out[k]) and src[k].dtype == out[k].dtype, k
+    qc = config_of(converted["kimi-k25-int4"])["quantization_config"]
+    assert r"re:vision_tower\..*" in qc["ignore"] and r"re:mm_projector\..*" in qc["ignore"]
+    assert config_of(converted["kimi-k25-int4"])["text_config"]["model_type"] == "kimi_k2"
+
+
+def test_int4_source_with_another_group_size_is_requantized_with_a_warning(fixtures_dir, tmp_path):
+    raw = {**recipe.load(RECIPES / "kimi-k2-w4a16.yaml").to_dict()}
+    raw["scheme"] = {**raw["scheme"], "group_size": 64}
+    plan = build(Checkpoint(fixtures_dir / "kimi-k25-int4"), recipe.from_dict(raw, "g64"), 2**30)
+    assert any("re-quantizes" in w for w in plan.warnings)
+    stream.run(plan, tmp_path / "out")
+    out = read_all(tmp_path / "out")
+    m = "language_model.model.layers.1.mlp.experts.0.up_proj"
+    assert out[f"{m}.weight_scale"].shape == (128, 256 // 64)
+
+
+def test_two_workers_and_one_give_identical_bytes(fixtures_dir, tmp_path):
+    r = recipe.load(RECIPES / "kimi-k2-w4a16.yaml")
+    for workers in (1, 2):
+        plan = build(Checkpoint(fixtures_dir / "kimi-k2-fp8"), r, max_shard_size=2**20, workers=workers)
+        stream.run(plan, tmp_path / f"w{workers}", workers=workers)
+    files = sorted(p.name for p in (tmp_path / "w1").glob("*.safetensors"))
+    assert files == sorted(p.name for p in (tmp_path / "w2").glob("*.safetensors"))
+    for f in files:
+        assert (tmp_path / "w1" / f).read_bytes() == (tmp_path / "w2" / f).read_bytes()
+
+
+def test_resume_after_a_failure_finishes_with_identical_bytes(fixtures_dir, tmp_path, monkeypatch):
+    r = recipe.load(RECIPES / "kimi-k2-w4a16.yaml")
+    plan = build(Checkpoint(fixtures_dir / "kimi-k2-fp8"), r, max_shard_size=2**20)
+    stream.run(plan, tmp_path / "clean")
+    real = stream.write_shard
+    calls = []
+
+    def dies_on_third(plan, index, *a, **k):
+        calls.append(index)
+        if len(calls) == 3:
+            raise OSError(5, "I/O error")
+        return real(plan, index, *a, **k)
+
+    monkeypatch.setattr(stream, "write_shard", dies_on_third)
+    with pytest.raises(OSError):
+        stream.run(plan, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and (tmp_path / "out.partial" / "state.json").exists()
+    with pytest.raises(UsageError, match="--resume"):
+        stream.run(plan, tmp_path / "out")
+    monkeypatch.setattr(stream, "write_shard", real)
+    result = stream.run(plan, tmp_path / "out", resume=True)
+    assert 2 <= result.resumed_shards < result.shards  # finished shards kept; the failed one redone
+    for f in sorted((tmp_path / "clean").glob("*.safetensors")):
+        assert f.read_bytes() == (tmp_path / "out" / f.name).read_bytes()
+
+
+def test_resume_with_another_recipe_is_refused(fixtures_dir, tmp_path):
+    ckpt = Checkpoint(fixtures_dir / "llama-bf16")
+    (tmp_path / "out.partial").mkdir()
+    plan = build(ckpt, recipe.preset("w4a16", 128), 2**30)
+    from quantize.engine.state import State
+
+    State.open(tmp_path / "out.partial", stream.plan_fingerprint(plan), resume=False)
+    other = build(ckpt, recipe.preset("w4a16", 64), 2**30)
+    with pytest.raises(UsageError, match="cannot be resumed"):
+        stream.run(other, tmp_path / "out", resume=True)
+
+
+def test_tp_that_marlin_cannot_serve_is_refused_before_writing(fixtures_dir):
+    r = recipe.load(RECIPES / "glm-w4a16.yaml")
+    ckpt = Checkpoint(fixtures_dir / "glm4-moe-bf16")
+    assert build(ckpt, r, 2**30).tp_served == [1, 2]  # moe_intermediate 128: 128 / 4 = 32 < 64
+    with pytest.raises(UsageError, match=r"--tp 4 .* serves at TP \[1, 2\]"):
+        build(ckpt, r, 2**30, tp=4)
+
+
+def test_inspect_summary_counts_what_the_recipe_touches(fixtures_dir):
+    from quantize.tensor_plan import summary
+
+    s = summary(build(Checkpoint(fixtures_dir / "kimi-k2-fp8"), recipe.load(RECIPES / "kimi-k2-w4a16.yaml"), 2**30))
+    assert s["architecture"] == "deepseek_v3" and s["model_type"] == "kimi_k2"
+    assert s["source_format"] == "fp8-block" and s["mtp_layers"] == [3]
+    assert s["quantized_modules_by_kind"] == {"expert": 48}
+    assert s["parameters_by_kind"]["expert"] == 2 * 8 * 3 * 128 * 256
+    assert 0 < s["output_bytes"] and s["shards"] == 3
