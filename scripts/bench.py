@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""Speed and memory, side by side with the reference tool on the same input, in one run.
+
+    python scripts/bench.py rtn [--size-gb 2.2] [--device cpu|cuda] [--workers N] [--work DIR] [--json FILE]
+
+`rtn`: a synthetic Kimi-K2-style checkpoint in DeepSeek FP8 blocks (MLA attention, a dense first layer, routed
+and shared experts, router with float32 bias; random FP8 bytes, 4 shards) converted with the Kimi release
+recipe (routed experts INT4 g32) by `quantize convert` and by llm-compressor's `model_free_ptq` with the same
+scheme, targets and ignore list and compressed-tensors' FP8BlockDequantizer. Each tool runs in its own process;
+wall time and peak RSS (getrusage of that process) are reported with ratios, and the quantized tensors of
+the two outputs are compared byte for byte. Needs the `bench` extra (llmcompressor).
+"""
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+HIDDEN, MOE_INTER, INTER, VOCAB, HEADS = 2048, 1024, 4096, 32000, 16
+KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
+
+
+def random_fp8(shape: tuple[int, int], g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random e4m3 bytes (NaN codes avoided) with a plausible block scale."""
+    raw = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    raw = torch.where((raw & 0x7F) == 0x7F, raw & 0xF0, raw)
+    scale = torch.rand(math.ceil(shape[0] / 128), math.ceil(shape[1] / 128), generator=g) * 1e-4 + 1e-5
+    return raw.view(torch.float8_e4m3fn), scale
+
+
+def synthetic_kimi(out: Path, size_gb: float, n_shards: int = 4) -> Path:
+    """Write the checkpoint shard by shard (never the whole model in memory)."""
+    per_layer_experts = 3 * MOE_INTER * HIDDEN  # fp8 bytes per expert
+    n_experts = 64
+    moe_layers = max(1, round(size_gb * 1e9 / (n_experts * per_layer_experts)))
+    n_layers = moe_layers + 1
+    g = torch.Generator().manual_seed(0)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def layer_tensors(i: int) -> dict[str, torch.Tensor]:
+        p = f"model.layers.{i}."
+        t: dict[str, torch.Tensor] = {}
+
+        def fp8(name, shape):
+            t[p + name + ".weight"], t[p + name + ".weight_scale_inv"] = random_fp8(shape, g)
+
+        fp8("self_attn.q_a_proj", (1536, HIDDEN))
+        fp8("self_attn.q_b_proj", (HEADS * 192, 1536))
+        fp8("self_attn.kv_a_proj_with_mqa", (512 + 64, HIDDEN))
+        fp8("self_attn.kv_b_proj", (HEADS * 256, 512))
+        fp8("self_attn.o_proj", (HIDDEN, HEADS * 128))
+        for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm"):
+            size = {"self_attn.q_a_layernorm": 1536, "self_attn.kv_a_layernorm": 512}.get(n, HIDDEN)
+            t[p + n + ".weight"] = torch.ones(size, dtype=torch.bfloat16)
+        if i == 0:
+            for n, shape in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)), ("down_proj", (HIDDEN, INTER))):
+                fp8(f"mlp.{n}", shape)
+            return t
+        t[p + "mlp.gate.weight"] = (torch.randn(n_experts, HIDDEN, generator=g) * 0.02).to(torch.bfloat16)
+        t[p + "mlp.gate.e_score_correction_bias"] = torch.zeros(n_experts)
+        for kind in [f"experts.{e}" for e in range(n_experts)] + ["shared_experts"]:
+            fp8(f"mlp.{kind}.gate_proj", (MOE_INTER, HIDDEN))
+            fp8(f"mlp.{kind}.up_proj", (MOE_INTER, HIDDEN))
+            fp8(f"mlp.{kind}.down_proj", (HIDDEN, MOE_INTER))
+        return t
+
+    files = [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]
+    groups = [list(range(n_layers))[i::n_shards] for i in range(n_shards)]
+    weight_map, total = {}, 0
+    for s, layers in enumerate(groups):
+        tensors: dict[str, torch.Tensor] = {}
+        if s == 0:
+            tensors["model.embed_tokens.weight"] = (torch.randn(VOCAB, HIDDEN, generator=g) * 0.02).to(torch.bfloat16)
+        if s == n_shards - 1:
+            tensors["lm_head.weight"] = (torch.randn(VOCAB, HIDDEN, generator=g) * 0.02).to(torch.bfloat16)
+            tensors["model.norm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+        for i in layers:
+            tensors.update(layer_tensors(i))
+        save_file(tensors, out / files[s], metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, files[s]))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "torch_dtype": "bfloat16",
+        "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTER, "moe_intermediate_size": MOE_INTER,
+        "num_hidden_layers": n_layers, "first_k_dense_replace": 1, "n_routed_experts": n_experts, "n_shared_experts": 1,
+        "num_experts_per_tok": 8, "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "num_nextn_predict_layers": 0,
+        "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": [128, 128]},
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+REFERENCE = r"""
+import sys, torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
+from llmcompressor.entrypoints.model_free import model_free_ptq
+src, out, device, ignore = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+scheme = QuantizationScheme(targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
+    weights=QuantizationArgs(num_bits=4, group_size=32, symmetric=True, strategy="group", type="int"))
+dequant = FP8BlockDequantizer(targets=[r"re:.*_proj$", r"re:.*kv_a_proj_with_mqa$"], dtype=torch.bfloat16)
+model_free_ptq(src, out, scheme=scheme, ignore=ignore, max_workers=1, device=device, converter=dequant)
+"""
+
+MEASURE = r"""
+import resource, subprocess, sys, time
+t = time.perf_counter()
+rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+dt = time.perf_counter() - t
+if rc.returncode:
+    sys.stderr.write(rc.stderr[-3000:])
+print(rc.returncode, dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+"""
+
+
+def measure(cmd: list[str]) -> dict:
+    p = subprocess.run([sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True)
+    rc, seconds, rss = p.stdout.split()
+    if int(rc):
+        raise SystemExit(f"{cmd[:4]} failed:\n{p.stderr}")
+    return {"seconds": float(seconds), "peak_rss": int(rss)}
+
+
+def compare_outputs(ours: Path, theirs: Path) -> dict:
+    """Byte-compare every tensor both outputs hold (read one at a time)."""
+    from safetensors import safe_open
+
+    def where(folder: Path) -> dict[str, Path]:
+        idx = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+        return {k: folder / v for k, v in idx.items()}
+
+    a, b = where(ours), where(theirs)
+    common = sorted(set(a) & set(b))
+    differ = []
+    for name in common:
+        with safe_open(a[name], "pt") as fa, safe_open(b[name], "pt") as fb:
+            x, y = fa.get_tensor(name), fb.get_tensor(name)
+        if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
+            differ.append(name)
+    packed = [n for n in common if n.endswith("weight_packed")]
+    return {"tensors_compared": len(common), "packed_compared": len(packed), "differ": len(differ),
+            "differ_examples": differ[:5], "only_ours": len(set(a) - set(b)), "only_reference": len(set(b) - set(a))}
+
+
+def bench_rtn(args) -> dict:
+    work = Path(args.work)
+    src = work / "kimi-fp8"
+    if not (src / "config.json").exists():
+        shutil.rmtree(src, ignore_errors=True)
+        t = time.perf_counter()
+        synthetic_kimi(src, args.size_gb)
+        print(f"built {src} in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    shards = sorted(src.glob("*.safetensors"))
+    src_bytes = sum(p.stat().st_size for p in shards)
+    largest = max(p.stat().st_size for p in shards)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2-w4a16.yaml"
+    ours_out, ref_out = work / "out-quantize", work / "out-model-free-ptq"
+    for d in (ours_out, ref_out):
+        shutil.rmtree(d, ignore_errors=True)
+    ours = measure([sys.executable, "-m", "quantize", "convert", str(src), str(ours_out), "--recipe", str(recipe),
+                    "--device", args.device, "--workers", str(args.workers), "--json"])
+    ref = measure([sys.executable, "-c", REFERENCE, str(src), str(ref_out), args.device, ",".join(KIMI_IGNORE)])
+    result = {
+        "input": {"path": str(src), "bytes": src_bytes, "shards": len(shards), "largest_shard": largest},
+        "device": args.device,
+        "quantize": {**ours, "gb_per_s": src_bytes / 1e9 / ours["seconds"]},
+        "model_free_ptq": {**ref, "gb_per_s": src_bytes / 1e9 / ref["seconds"]},
+        "speedup": ref["seconds"] / ours["seconds"],
+        "rss_ratio_vs_reference": ours["peak_rss"] / ref["peak_rss"],
+        "rss_over_largest_shard": ours["peak_rss"] / largest,
+        "parity": compare_outputs(ours_out, ref_out),
+    }
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    r = sub.add_parser("rtn", help="streaming RTN convert vs llm-compressor model_free_ptq")
+    r.add_argument("--size-gb", type=float, default=2.2)
+    r.add_argument("--device", default="cpu")
+    r.add_argument("--workers", type=int, default=1)
+    r.add_argument("--work", default=".cache/bench")
+    r.add_argument("--json", dest="json_out")
+    a = p.parse_args()
+    result = bench_rtn(a)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if a.json_out:
+        Path(a.json_out).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
