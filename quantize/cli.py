@@ -1,6 +1,7 @@
 """The `quantize` command line: parse, call the library, render. No logic of its own."""
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -147,7 +148,8 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--method", type=click.Choice(["rtn"]), default="rtn", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size, help="Largest output shard.")
-@click.option("--workers", default=1, show_default=True, type=click.IntRange(1, 64), help="Shards converted at once.")
+@click.option("--workers", default=lambda: min(8, os.cpu_count() or 1), show_default="CPU cores, at most 8",
+              type=click.IntRange(1, 64), help="Tensors converted at once (threads); memory grows with it.")
 @click.option("--tp", type=click.IntRange(1, 64), help="Refuse unless the output serves at this tensor-parallel size.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT (and any interrupted OUT.partial).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion from OUT.partial.")

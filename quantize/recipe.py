@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
 from quantize.errors import UsageError
 
@@ -33,7 +32,11 @@ class Scheme:
     def label(self) -> str:
         return f"w{self.num_bits}a16 g{self.group_size} {'sym' if self.symmetric else 'asym'}"
 
-    def args(self) -> QuantizationArgs:
+    def args(self):
+        """The scheme as compressed-tensors QuantizationArgs."""
+        # imported here: compressed_tensors pulls in transformers (~3 s), which inspect and --help never need
+        from compressed_tensors.quantization import QuantizationArgs
+
         return QuantizationArgs(
             num_bits=self.num_bits,
             group_size=self.group_size,
@@ -61,6 +64,8 @@ class Recipe:
 
     def quantization_config(self, extra_ignore: tuple[str, ...] = ()) -> dict:
         """The compressed-tensors `quantization_config` for config.json, built by the library itself."""
+        from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
         qc = QuantizationConfig(
             config_groups={
                 "group_0": QuantizationScheme(

@@ -194,9 +194,9 @@ def _assign_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry
 
 
 def peak_work_bytes(plan: Plan, workers: int) -> int:
-    """Memory the stream engine needs at once: the largest tensors in flight, one per worker."""
+    """Memory the stream engine needs at once: the largest tensors in flight (workers + 1, see engine/stream.py)."""
     sizes = sorted((math.prod(e.tensor.shape) * WORK_BYTES_PER_ELEMENT for e in plan.entries), reverse=True)
-    return sum(sizes[:workers])
+    return sum(sizes[: workers + 1])
 
 
 def check_memory(plan: Plan, workers: int, device: str) -> None:

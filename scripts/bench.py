@@ -191,7 +191,7 @@ def main() -> None:
     r = sub.add_parser("rtn", help="streaming RTN convert vs llm-compressor model_free_ptq")
     r.add_argument("--size-gb", type=float, default=2.2)
     r.add_argument("--device", default="cpu")
-    r.add_argument("--workers", type=int, default=1)
+    r.add_argument("--workers", type=int, default=2)
     r.add_argument("--work", default=".cache/bench")
     r.add_argument("--json", dest="json_out")
     a = p.parse_args()

@@ -1,16 +1,18 @@
 """The stream engine: RTN conversion with no model and no data, one output shard per work unit.
 
-Each worker takes a whole output shard, reads its source tensors one at a time (pread, no mmap), decodes
-them on the chosen device, quantizes and packs, and appends the bytes to the shard. Peak memory is the
-largest tensors in flight, one per worker, whatever the model's size.
+Output shards are written one after another, each tensor appended as soon as it is ready; `workers` threads
+read source tensors (pread, no mmap), decode them on the chosen device, quantize and pack, in order, while
+this thread writes and hashes. Peak memory is the largest tensors in flight (workers + 1), whatever the
+model's size; a shard is the unit of resume.
 """
 
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,12 +75,32 @@ def produce(plan: Plan, e: Entry, device: torch.device) -> list[torch.Tensor]:
     return out
 
 
-def write_shard(plan: Plan, index: int, path: Path, device: torch.device, advance: Callable[[int], None]) -> tuple[int, str]:
+def _in_order(pool: ThreadPoolExecutor, fn: Callable, items: list, depth: int) -> Iterator:
+    """fn over items on the pool, results in item order, at most `depth` in flight (memory stays bounded)."""
+    pending: deque[Future] = deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= depth:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
+
+
+def write_shard(
+    plan: Plan, index: int, path: Path, device: torch.device, advance: Callable[[int], None],
+    pool: ThreadPoolExecutor | None = None, depth: int = 1,
+) -> tuple[int, str]:
+    """Write output shard `index`; with a pool, tensors are produced `depth` at a time while this thread writes."""
     entries = plan.shards[index]
     writer = ShardWriter(path, [s for e in entries for s in e.outputs])
+    results = (
+        _in_order(pool, lambda e: produce(plan, e, device), entries, depth)
+        if pool is not None
+        else (produce(plan, e, device) for e in entries)
+    )
     try:
-        for e in entries:
-            for spec, tensor in zip(e.outputs, produce(plan, e, device), strict=True):
+        for e, tensors in zip(entries, results, strict=True):
+            for spec, tensor in zip(e.outputs, tensors, strict=True):
                 writer.write(spec.name, tensor)
             advance(e.tensor.stored_bytes)
         return writer.close()
@@ -172,25 +194,14 @@ def run(
 
     advance(0)
     dev = torch.device(device)
-    workers = max(1, min(workers, len(todo) or 1))
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-
-            def one(i: int) -> None:
-                size, sha = write_shard(plan, i, partial / names[i], dev, advance)
-                with lock:
-                    state.mark(names[i], size=size, sha256=sha)
-
-            futures = [pool.submit(one, i) for i in todo]
-            try:
-                for f in futures:
-                    f.result()
-            except BaseException:
-                for f in futures:  # stop at the first failure: what finished is recorded for --resume
-                    f.cancel()
-                raise
+            for i in todo:
+                # one more in flight than workers, so that a tensor is ready whenever the writer is
+                size, sha = write_shard(plan, i, partial / names[i], dev, advance, pool, depth=workers + 1)
+                state.mark(names[i], size=size, sha256=sha)
     finally:
         torch.set_num_threads(threads)
 

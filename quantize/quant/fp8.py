@@ -4,6 +4,15 @@ per-tensor scales (compressed-tensors `float-quantized`)."""
 import torch
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+# Every e4m3 code as float32: on CPU a table lookup is ~1.7x faster than the element-wise cast, and exact.
+_E4M3_TO_F32 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+def to_float32(w: torch.Tensor) -> torch.Tensor:
+    """An fp8 tensor as float32, exactly."""
+    if w.dtype == torch.float8_e4m3fn and w.device.type == "cpu":
+        return _E4M3_TO_F32.take(w.view(torch.uint8).to(torch.int64))
+    return w.to(torch.float32)
 
 
 def _pad_to_blocks(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -27,7 +36,7 @@ def dequantize_block(
     assert scale_inv.shape == (n_r, n_c), (
         f"block scale shape {tuple(scale_inv.shape)} does not fit weight {tuple(w.shape)} with blocks {block}"
     )
-    x = _pad_to_blocks(w.to(torch.float32), block).view(n_r, bh, n_c, bw)
+    x = _pad_to_blocks(to_float32(w), block).view(n_r, bh, n_c, bw)
     x = (x * scale_inv.to(torch.float32).view(n_r, 1, n_c, 1)).view(n_r * bh, n_c * bw)
     return x[:rows, :cols].to(dtype)
 
@@ -52,4 +61,4 @@ def dequantize_scaled(w: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16
     else:
         assert s.shape in ((w.shape[0], 1), (w.shape[0],)), f"scale {tuple(scale.shape)} for weight {tuple(w.shape)}"
         s = s.reshape(w.shape[0], 1)
-    return (w.to(torch.float32) * s).to(dtype)
+    return (to_float32(w) * s).to(dtype)

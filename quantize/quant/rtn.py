@@ -28,8 +28,8 @@ def group_qparams(
     groups = w.reshape(out_features, in_features // group_size, group_size)
     q_min, q_max = int_range(num_bits)
     # 0 must be exactly representable, so the range always contains it.
-    min_vals = groups.amin(dim=-1).clamp(max=0)
-    max_vals = groups.amax(dim=-1).clamp(min=0)
+    min_vals, max_vals = torch.aminmax(groups, dim=-1)
+    min_vals, max_vals = min_vals.clamp(max=0), max_vals.clamp(min=0)
     bit_range = torch.tensor(q_max - q_min, device=w.device).to(w.dtype)
     zero_point = None
     if symmetric:

@@ -1,0 +1,25 @@
+"""CUDA runs of the same conversions; each has a CPU twin that checks the same logic at small size."""
+
+import pytest
+import torch
+from conftest import RECIPES
+
+from quantize import recipe
+from quantize.checkpoint import Checkpoint
+from quantize.engine import stream
+from quantize.tensor_plan import build
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def test_cuda_conversion_is_byte_identical_to_cpu(fixtures_dir, converted, tmp_path):
+    """CPU twin: test_convert.py::test_kimi_fp8_output_is_byte_identical_to_compressed_tensors (same fixture,
+    same recipe, same shard size); on CUDA the bytes must equal the CPU output file for file."""
+    plan = build(Checkpoint(fixtures_dir / "kimi-k2-fp8"), recipe.load(RECIPES / "kimi-k2-w4a16.yaml"),
+                 max_shard_size=2**20, device="cuda")
+    stream.run(plan, tmp_path / "cuda", device="cuda")
+    cpu = converted["kimi-k2-fp8"]
+    files = sorted(p.name for p in cpu.glob("*.safetensors"))
+    assert files == sorted(p.name for p in (tmp_path / "cuda").glob("*.safetensors"))
+    for f in files:
+        assert (cpu / f).read_bytes() == (tmp_path / "cuda" / f).read_bytes(), f
