@@ -1,5 +1,6 @@
 """The `quantize` command line: parse, call the library, render. No logic of its own."""
 
+import dataclasses
 import json
 import os
 import re
@@ -8,7 +9,15 @@ from pathlib import Path
 
 import click
 from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
 from quantize import __version__, hub
@@ -73,6 +82,51 @@ def main() -> None:
 
     Exit codes: 0 done, 1 the input or environment failed (message says what to do), 2 invalid request.
     """
+
+
+def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_code: bool, bar: Progress):
+    """The layerwise engine hook for stream.run, with a progress task per layer."""
+    import torch
+
+    from quantize import calib
+    from quantize.engine.layerwise import Calibrated
+
+    tokenizer = calib.load_tokenizer(folder, trust_remote_code)
+    c = r.calibration
+    samples = calib.load_samples(c.data, tokenizer, c.num_samples, c.seq_len, c.seed)
+    err.print(f"calibration: {len(samples)} samples, {sum(s.numel() for s in samples)} tokens from {c.data} (seed {c.seed})",
+              highlight=False)
+    layers = bar.add_task("layers", total=plan.model.num_hidden_layers)
+
+    def on_layer(report, total):
+        fb = f", {len(report.fallbacks)} fallback(s)" if report.fallbacks else ""
+        ex = f", {report.experts_calibrated} experts" if report.experts_calibrated else ""
+        bar.update(layers, advance=1, description=f"layer {report.layer}: {report.modules} modules{ex}{fb}")
+
+    return Calibrated(plan, samples, torch.device(dev), offload, on_layer=on_layer)
+
+
+def _calibration_table(stats) -> None:
+    t = Table(title="calibration", title_justify="left")
+    for col in ("layers", "experts calibrated", "fallbacks to RTN", "activations", "time"):
+        t.add_column(col)
+    t.add_row(str(len(stats.layers)), str(sum(x.experts_calibrated for x in stats.layers)),
+              str(sum(len(x.fallbacks) for x in stats.layers)), stats.offload,
+              f"{sum(x.seconds for x in stats.layers):.1f} s")
+    out.print(t)
+    e = Table(title="mean relative weight error by module kind", title_justify="left")
+    e.add_column("kind")
+    e.add_column("||W - Q|| / ||W||")
+    for kind, v in stats.mean_error().items():
+        e.add_row(kind, f"{v:.4f}")
+    out.print(e)
+    for x in stats.layers:
+        if x.tokens_per_expert:
+            counts = sorted(x.tokens_per_expert.values())
+            out.print(f"layer {x.layer}: tokens per expert min {counts[0]} median {counts[len(counts) // 2]} "
+                      f"max {counts[-1]}", highlight=False)
+    for f in (f for x in stats.layers for f in x.fallbacks):
+        out.print(f"[yellow]fallback:[/] {f}", highlight=False)
 
 
 @main.command()
@@ -145,7 +199,17 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--scheme", type=click.Choice(["w4a16"]), help="Quantize every Linear but lm_head (instead of --recipe).")
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
               help="Columns per scale, with --scheme.")
-@click.option("--method", type=click.Choice(["rtn"]), default="rtn", show_default=True)
+@click.option("--method", type=click.Choice(["rtn", "gptq"]), help="Overrides the recipe's method (default rtn).")
+@click.option("--calib", help="Calibration data for gptq: .jsonl/.txt/.parquet file or Hub dataset org/name[:split].")
+@click.option("--num-samples", type=click.IntRange(1), help="Calibration samples [recipe, else 512].")
+@click.option("--seq-len", type=click.IntRange(8), help="Tokens per calibration sample at most [recipe, else 2048].")
+@click.option("--seed", type=int, help="Seed that picks the samples [recipe, else 0].")
+@click.option("--calibrate-all-experts", is_flag=True, default=None,
+              help="Every token through every expert for the statistics (outputs keep the true routing).")
+@click.option("--min-expert-tokens", type=click.IntRange(0), help="Experts routed fewer tokens fall back to RTN [16].")
+@click.option("--offload", type=click.Choice(["auto", "gpu", "cpu", "disk"]), default="auto", show_default=True,
+              help="Where calibration activations live.")
+@click.option("--trust-remote-code", is_flag=True, help="Let the checkpoint's tokenizer code run (calibration only).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size, help="Largest output shard.")
 @click.option("--workers", default=lambda: min(8, os.cpu_count() or 1), show_default="CPU cores, at most 8",
@@ -154,10 +218,15 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--overwrite", is_flag=True, help="Replace OUT (and any interrupted OUT.partial).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion from OUT.partial.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def convert(
-    src, out_dir, recipe_path, scheme, group_size, method, device, max_shard_size, workers, tp, overwrite, resume, as_json
-):
+def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_samples, seq_len, seed,
+            calibrate_all_experts, min_expert_tokens, offload, trust_remote_code, device, max_shard_size, workers, tp,
+            overwrite, resume, as_json):
     """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT.
+
+    \b
+    Methods: rtn streams tensor by tensor (no data, no model). gptq runs the layerwise engine: calibration
+    samples go through one decoder layer at a time, each Linear is quantized with GPTQ against the Hessian of
+    its real inputs, routed experts one at a time with the tokens the router sends them.
 
     \b
     Inputs: BF16/FP16 safetensors, DeepSeek-style FP8 blocks (Kimi K2, DeepSeek V3), compressed-tensors
@@ -168,13 +237,21 @@ def convert(
     Examples:
       quantize convert moonshotai/Kimi-K2-Instruct out/k2-int4 --recipe recipes/kimi-k2-w4a16.yaml --tp 8
       quantize convert ./Llama-3.1-8B out/llama-int4 --scheme w4a16 --group-size 128
+      quantize convert ./SmolLM2 out/smol-gptq --scheme w4a16 --group-size 64 --method gptq --calib train.jsonl
       quantize convert zai-org/GLM-4.6 out/glm-int4 --recipe recipes/glm-w4a16.yaml --resume
     """
     from quantize import tensor_plan
     from quantize.engine import stream
 
+    calibrated = None
     try:
-        r = load_recipe(recipe_path, scheme, int(group_size), method)
+        r = load_recipe(recipe_path, scheme, int(group_size), method or "rtn")
+        overrides = {k: v for k, v in dict(data=calib, num_samples=num_samples, seq_len=seq_len, seed=seed,
+                                           calibrate_all_experts=calibrate_all_experts,
+                                           min_expert_tokens=min_expert_tokens).items() if v is not None}
+        r = dataclasses.replace(r, method=method or r.method, calibration=dataclasses.replace(r.calibration, **overrides))
+        if r.method != "rtn" and not r.calibration.data:
+            raise click.UsageError(f"--method {r.method} needs calibration data: --calib FILE or the recipe's calibration.data")
         dev = resolve_device(device)
         out_path = Path(out_dir)
         stream.prepare_check(out_path, resume, overwrite)
@@ -183,25 +260,30 @@ def convert(
         for w in plan.warnings:
             err.print(f"[yellow]warning:[/] {w}", highlight=False)
         err.print(
-            f"{plan.model.arch.family} ({plan.model.model_type}) {plan.ckpt.format.kind} -> {r.scheme.label}: "
+            f"{plan.model.arch.family} ({plan.model.model_type}) {plan.ckpt.format.kind} -> {r.scheme.label} {r.method}: "
             f"{plan.counts().get('quantize', 0) + plan.counts().get('passthrough', 0)} Linear weights to INT4, "
             f"{len(plan.shards)} output shard(s); serves at TP {', '.join(map(str, plan.tp_served)) or 'none'}",
             highlight=False,
         )
         with Progress(
-            TextColumn("[bold]converting"), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-            console=err, transient=as_json,
+            TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), DownloadColumn(),
+            TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=as_json,
         ) as bar:
-            task = bar.add_task("convert", total=plan.src_bytes)
+            task = bar.add_task("converting", total=plan.src_bytes)
+            if r.method != "rtn":
+                calibrated = _calibration(plan, folder, r, dev, offload, trust_remote_code, bar)
             result = stream.run(
                 plan, out_path, device=dev, workers=workers, resume=resume, overwrite=overwrite, source_info=info,
-                progress=lambda done, total: bar.update(task, completed=done, total=total),
+                progress=lambda done, total: bar.update(task, completed=done, total=total), calibrated=calibrated,
             )
     except QuantizeError as e:
         fail(e)
     except KeyboardInterrupt:
         err.print(f"interrupted; finished shards are kept: rerun with --resume to continue {out_dir}")
         sys.exit(130)
+    finally:
+        if calibrated is not None:
+            calibrated.close()
     report = {
         "out": str(result.out),
         "seconds": round(result.seconds, 3),
@@ -216,9 +298,21 @@ def convert(
         "tp_served": result.tp_served,
         "warnings": result.warnings,
     }
+    stats = calibrated.quantizer.stats if calibrated is not None and calibrated.quantizer is not None else None
+    if stats is not None:
+        report["calibration"] = {
+            "offload": stats.offload,
+            "layers": len(stats.layers),
+            "experts_calibrated": sum(x.experts_calibrated for x in stats.layers),
+            "fallbacks": [f for x in stats.layers for f in x.fallbacks],
+            "mean_relative_weight_error": stats.mean_error(),
+            "tokens_per_expert": {x.layer: x.tokens_per_expert for x in stats.layers if x.tokens_per_expert},
+        }
     if as_json:
         out.print_json(json.dumps(report))
         return
+    if stats is not None:
+        _calibration_table(stats)
     t = Table(title=f"converted to {result.out}", title_justify="left")
     for col in ("tensors", "count"):
         t.add_column(col)

@@ -14,10 +14,27 @@ import yaml
 
 from quantize.errors import UsageError
 
-METHODS = ("rtn",)
+METHODS = ("rtn", "gptq")
 GROUP_SIZES = (32, 64, 128)
-RECIPE_KEYS = {"name", "description", "method", "scheme", "targets", "ignore"}
+RECIPE_KEYS = {"name", "description", "method", "scheme", "targets", "ignore", "gptq", "calibration"}
 SCHEME_KEYS = {"num_bits", "group_size", "symmetric", "strategy", "type"}
+
+
+@dataclass(frozen=True)
+class GPTQParams:
+    dampening_frac: float = 0.01
+    block_size: int = 128
+    actorder: str | None = "static"  # static: columns by descending Hessian diagonal, groups unchanged
+
+
+@dataclass(frozen=True)
+class Calibration:
+    data: str | None = None
+    num_samples: int = 512
+    seq_len: int = 2048
+    seed: int = 0
+    calibrate_all_experts: bool = False
+    min_expert_tokens: int = 16
 
 
 @dataclass(frozen=True)
@@ -54,6 +71,8 @@ class Recipe:
     targets: tuple[str, ...] = ("Linear",)
     ignore: tuple[str, ...] = ("lm_head",)
     description: str = ""
+    gptq: GPTQParams = GPTQParams()
+    calibration: Calibration = Calibration()
     source: str = field(default="", compare=False)
 
     def targets_module(self, module: str, is_linear: bool) -> bool:
@@ -79,13 +98,17 @@ class Recipe:
         return qc.model_dump(mode="json")
 
     def to_dict(self) -> dict:
-        return {
+        d = {
             "name": self.name,
             "method": self.method,
             "scheme": vars(self.scheme),
             "targets": list(self.targets),
             "ignore": list(self.ignore),
         }
+        if self.method != "rtn":
+            d[self.method] = vars(self.gptq)
+            d["calibration"] = vars(self.calibration)
+        return d
 
 
 def matches(pattern: str, name: str) -> bool:
@@ -110,6 +133,22 @@ def _scheme(raw: object, where: str) -> Scheme:
     return s
 
 
+def _section(cls, raw: object, key: str, where: str):
+    if raw is None:
+        return cls()
+    known = set(cls.__dataclass_fields__)
+    if not isinstance(raw, dict) or set(raw) - known:
+        bad = sorted(set(raw) - known) if isinstance(raw, dict) else raw
+        raise UsageError(f"{where}: unknown key(s) in `{key}`: {bad}; allowed: {sorted(known)}")
+    value = cls(**raw)
+    for f, default in vars(cls()).items():
+        v = getattr(value, f)
+        numeric = isinstance(default, float) and isinstance(v, int) and not isinstance(v, bool)
+        if default is not None and v is not None and not isinstance(v, type(default)) and not numeric:
+            raise UsageError(f"{where}: `{key}.{f}` must be a {type(default).__name__}, got {v!r}")
+    return value
+
+
 def from_dict(raw: object, where: str) -> Recipe:
     if not isinstance(raw, dict):
         raise UsageError(f"{where}: a recipe is a YAML mapping")
@@ -129,7 +168,15 @@ def from_dict(raw: object, where: str) -> Recipe:
                     re.compile(p[3:])
                 except re.error as e:
                     raise UsageError(f"{where}: bad regex in {key}: {p!r} ({e})") from e
+    gptq = _section(GPTQParams, raw.get("gptq"), "gptq", where)
+    if not 0 <= gptq.dampening_frac < 1 or gptq.block_size < 1 or gptq.actorder not in ("static", None):
+        raise UsageError(f"{where}: gptq needs 0 <= dampening_frac < 1, block_size >= 1, actorder static or null")
+    calibration = _section(Calibration, raw.get("calibration"), "calibration", where)
+    if calibration.num_samples < 1 or calibration.seq_len < 8 or calibration.min_expert_tokens < 0:
+        raise UsageError(f"{where}: calibration needs num_samples >= 1, seq_len >= 8, min_expert_tokens >= 0")
     return Recipe(
+        gptq=gptq,
+        calibration=calibration,
         name=str(raw.get("name") or Path(where).stem),
         scheme=_scheme(raw.get("scheme", {}), where),
         method=method,

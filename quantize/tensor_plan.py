@@ -175,10 +175,21 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
                 f"it serves at TP {served or 'none'}; pick another --tp or group size"
             )
         warnings.append(f"TP {tp} is outside what Marlin kernels serve for these shapes (TP {served or 'none'})")
+    if recipe.method != "rtn":
+        # the calibrated engine finishes one layer at a time: lay the output out layer by layer
+        entries.sort(key=_layer_order)
     shards = _assign_shards(entries, max_shard_size)
     plan = Plan(ckpt, model, recipe, entries, shards, _extra_ignore(model, list(ckpt.tensors)), served, warnings)
     check_memory(plan, workers, device)
     return plan
+
+
+def _layer_order(e: Entry) -> int:
+    if e.role.kind == "embedding":
+        return -1
+    if e.role.layer is not None and e.role.kind != "mtp":
+        return e.role.layer
+    return 1 << 30
 
 
 def _assign_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry]]:

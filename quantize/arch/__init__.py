@@ -17,6 +17,8 @@ class Arch:
     model_types: tuple[str, ...]
     linear_leaves: frozenset[str]
     moe: bool
+    # model_type -> (transformers config class, causal LM class), for the layerwise engine's forwards
+    hf_classes: dict[str, tuple[str, str]]
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,22 @@ class Model:
     def n_routed_experts(self) -> int | None:
         v = self.text_config.get("n_routed_experts") or self.text_config.get("num_experts")
         return int(v) if v else None
+
+    def transformers_config(self, dtype):
+        """The text model's transformers config, built from the dict (never from remote code)."""
+        import transformers
+
+        config_cls, _ = self.arch.hf_classes[self.model_type]
+        raw = {k: v for k, v in self.text_config.items() if k not in ("model_type", "auto_map", "quantization_config")}
+        config = getattr(transformers, config_cls)(**raw)
+        config._attn_implementation = "sdpa"
+        config.dtype = dtype
+        return config
+
+    def causal_lm_class(self):
+        import transformers
+
+        return getattr(transformers, self.arch.hf_classes[self.model_type][1])
 
     def role(self, name: str, ndim: int = 2) -> Role:
         module, _, leaf = name.rpartition(".")

@@ -11,4 +11,6 @@ ARCH = Arch(
     model_types=("deepseek_v3", "kimi_k2"),
     linear_leaves=MLA_LINEARS | MLP_LINEARS,
     moe=True,
+    hf_classes={"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+                "kimi_k2": ("DeepseekV3Config", "DeepseekV3ForCausalLM")},
 )

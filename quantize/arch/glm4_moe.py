@@ -7,4 +7,5 @@ ARCH = Arch(
     model_types=("glm4_moe",),
     linear_leaves=frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
     moe=True,
+    hf_classes={"glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM")},
 )

@@ -8,4 +8,5 @@ ARCH = Arch(
     model_types=("glm_moe_dsa",),
     linear_leaves=MLA_LINEARS | MLP_LINEARS | {"wq_b", "wk", "weights_proj"},
     moe=True,
+    hf_classes={"glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM")},
 )

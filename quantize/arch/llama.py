@@ -7,4 +7,9 @@ ARCH = Arch(
     model_types=("llama", "qwen2", "qwen3"),
     linear_leaves=frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
     moe=False,
+    hf_classes={
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    },
 )

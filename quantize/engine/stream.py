@@ -88,16 +88,18 @@ def _in_order(pool: ThreadPoolExecutor, fn: Callable, items: list, depth: int) -
 
 def write_shard(
     plan: Plan, index: int, path: Path, device: torch.device, advance: Callable[[int], None],
-    pool: ThreadPoolExecutor | None = None, depth: int = 1,
+    pool: ThreadPoolExecutor | None = None, depth: int = 1, calibrated: Callable | None = None,
 ) -> tuple[int, str]:
-    """Write output shard `index`; with a pool, tensors are produced `depth` at a time while this thread writes."""
+    """Write output shard `index`; with a pool, tensors are produced `depth` at a time while this thread writes.
+    `calibrated(entry)` gives the tensors of entries a calibrated engine quantized (None for the others)."""
     entries = plan.shards[index]
     writer = ShardWriter(path, [s for e in entries for s in e.outputs])
-    results = (
-        _in_order(pool, lambda e: produce(plan, e, device), entries, depth)
-        if pool is not None
-        else (produce(plan, e, device) for e in entries)
-    )
+
+    def make(e: Entry) -> list[torch.Tensor]:
+        got = calibrated(e) if calibrated is not None else None
+        return got if got is not None else produce(plan, e, device)
+
+    results = _in_order(pool, make, entries, depth) if pool is not None else (make(e) for e in entries)
     try:
         for e, tensors in zip(entries, results, strict=True):
             for spec, tensor in zip(e.outputs, tensors, strict=True):
@@ -168,8 +170,12 @@ def run(
     overwrite: bool = False,
     source_info: dict | None = None,
     progress: Callable[[int, int], None] | None = None,
+    calibrated: Callable[[set[str]], Callable] | None = None,
 ) -> Result:
-    """Convert per `plan` into `out`. `progress(done_bytes, total_bytes)` is called from worker threads."""
+    """Convert per `plan` into `out`. `progress(done_bytes, total_bytes)` is called from worker threads.
+
+    `calibrated(written)`, for the calibrated methods, makes the per-entry producer of engine/layerwise.py once
+    the destination is known to be usable; `written` names the tensors of shards a resume skips."""
     out = Path(out)
     t0 = time.perf_counter()
     partial = prepare(out, resume, overwrite)
@@ -194,13 +200,18 @@ def run(
 
     advance(0)
     dev = torch.device(device)
+    if calibrated is not None:
+        workers = 1  # the layer forwards use every core; one producer thread overlaps them with the writer
+    written = {e.tensor.name for i, shard in enumerate(plan.shards) if i not in todo for e in shard}
+    produce_calibrated = calibrated(written) if calibrated else None
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             for i in todo:
                 # one more in flight than workers, so that a tensor is ready whenever the writer is
-                size, sha = write_shard(plan, i, partial / names[i], dev, advance, pool, depth=workers + 1)
+                size, sha = write_shard(plan, i, partial / names[i], dev, advance, pool, depth=workers + 1,
+                                        calibrated=produce_calibrated)
                 state.mark(names[i], size=size, sha256=sha)
     finally:
         torch.set_num_threads(threads)

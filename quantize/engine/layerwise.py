@@ -1,0 +1,374 @@
+"""The layerwise engine: GPTQ one decoder layer at a time, never the whole model.
+
+Calibration tokens are embedded once; then for each decoder layer in order the layer is built from the
+architecture's transformers class (meta init, then only this layer's weights, decoded from the source
+format), the calibration batch runs through it while the inputs of every targeted Linear are accumulated
+into Hessians, the Linears are quantized, and the batch runs again through the quantized layer to give the
+next layer its inputs (GPTQ's error propagation). Routed experts are unfused into per-expert Linears; their
+inputs are recorded with the router's choice and each expert is quantized on its own, so only one expert's
+Hessian is ever held. Activations stay on the compute device, in host memory or in memory-mapped files.
+"""
+
+import math
+import shutil
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import psutil
+import torch
+from torch import nn
+
+from quantize.quant import gptq, pack, rtn
+from quantize.tensor_plan import Entry, Plan
+
+
+class ActivationStore:
+    """One tensor per calibration sample, kept where the engine decided: gpu, cpu or disk (memory-mapped)."""
+
+    def __init__(self, kind: str, device: torch.device, folder: Path | None = None):
+        self.kind, self.device, self.folder = kind, device, folder
+        self.items: list = []
+
+    def append(self, t: torch.Tensor) -> None:
+        if self.kind == "gpu":
+            self.items.append(t.detach())
+        elif self.kind == "cpu":
+            cpu = t.detach().to("cpu")
+            self.items.append(cpu.pin_memory() if self.device.type == "cuda" else cpu)
+        else:
+            path = self.folder / f"{id(self)}-{len(self.items)}.bin"
+            t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tofile(path)
+            self.items.append((path, t.dtype, tuple(t.shape)))
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        item = self.items[i]
+        if self.kind == "disk":
+            path, dtype, shape = item
+            item = torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+        return item.to(self.device, non_blocking=True)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def clear(self) -> None:
+        if self.kind == "disk":
+            for path, _, _ in self.items:
+                path.unlink(missing_ok=True)
+        self.items = []
+
+
+def choose_offload(offload: str, device: torch.device, need: int) -> str:
+    """gpu when the activations fit in half the free GPU memory, else cpu when they fit in half the free
+    host memory, else disk."""
+    if offload != "auto":
+        return offload
+    if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] // 2 > need:
+        return "gpu"
+    if psutil.virtual_memory().available // 2 > need:
+        return "cpu"
+    return "disk"
+
+
+class UnfusedExperts(nn.ModuleList):
+    """transformers' fused `experts` (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as per-expert Linears named
+    as in the checkpoint (`experts.E.{gate,up,down}_proj`), with the same forward, recording what it is sent."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, act_fn, dtype: torch.dtype):
+        super().__init__()
+        for _ in range(num_experts):
+            e = nn.Module()
+            e.gate_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype)
+            e.up_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype)
+            e.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype)
+            self.append(e)
+        self.__dict__["act_fn"] = act_fn  # not a child: the children are exactly the experts, as in the checkpoint
+        self.record: Callable | None = None
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        m = self[e]
+        return m.down_proj(self.act_fn(m.gate_proj(x)) * m.up_proj(x))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.record is not None:
+            self.record(hidden_states, top_k_index)
+        out = torch.zeros_like(hidden_states)
+        for e in torch.unique(top_k_index).tolist():
+            token_idx, top_k_pos = torch.where(top_k_index == e)
+            y = self.expert_forward(e, hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    seconds: float
+    modules: int
+    experts_calibrated: int = 0
+    fallbacks: list[str] = field(default_factory=list)
+    tokens_per_expert: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass
+class Stats:
+    layers: list[LayerReport] = field(default_factory=list)
+    error: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    offload: str = ""
+
+    def mean_error(self) -> dict[str, float]:
+        return {k: sum(v) / len(v) for k, v in sorted(self.error.items())}
+
+
+class LayerwiseQuantizer:
+    """Produces the quantized tensors of each decoder layer on demand, layers in order.
+
+    `produce(entry)` is called by the shard writer in layer order; asking for a tensor of layer L runs the
+    calibration of every layer up to L that has not run yet.
+    """
+
+    def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device, offload: str = "auto",
+                 work_dir: Path | None = None, on_layer: Callable[[LayerReport, int], None] | None = None,
+                 written: set[str] = frozenset()):
+        self.plan, self.device, self.on_layer = plan, device, on_layer
+        self.written = written  # tensors of shards finished before a resume: recomputed, not kept
+        self.lock = threading.Lock()
+        self.recipe, self.model, self.ckpt = plan.recipe, plan.model, plan.ckpt
+        self.dtype = plan.ckpt.dtype
+        self.config = self.model.transformers_config(self.dtype)
+        with torch.device("meta"):
+            self.skeleton = self.model.causal_lm_class()._from_config(self.config, dtype=self.dtype)
+        self.targets = {e.tensor.name: e for e in plan.entries if e.action == "quantize" and e.role.layer is not None
+                        and e.role.kind != "mtp"}
+        self.results: dict[str, list[torch.Tensor]] = {}
+        self.stats = Stats()
+        self.next_layer = 0
+        hidden = self.model.hidden_size
+        tokens = sum(s.numel() for s in samples)
+        need = tokens * hidden * torch.finfo(self.dtype).bits // 8 * 3
+        self.stats.offload = choose_offload(offload, device, need)
+        self._tmp = Path(tempfile.mkdtemp(prefix="quantize-act-", dir=work_dir)) if self.stats.offload == "disk" else None
+        self.hidden = self._store()
+        self.positions = [torch.arange(s.shape[1], device=device).unsqueeze(0) for s in samples]
+        self.carry: list = [None] * len(samples)  # GLM-5's DSA layers pass their top-k indices on
+        self._embed(samples)
+
+    def _store(self) -> ActivationStore:
+        return ActivationStore(self.stats.offload, self.device, self._tmp)
+
+    def close(self) -> None:
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def _decode(self, name: str) -> torch.Tensor:
+        return self.ckpt.decode(self.ckpt.tensors[name], self.device)
+
+    def _embed(self, samples: list[torch.Tensor]) -> None:
+        name = f"{self.model.prefix}model.embed_tokens.weight"
+        weight = self._decode(name).to(self.dtype)
+        for ids in samples:
+            self.hidden.append(nn.functional.embedding(ids.to(self.device), weight))
+        rotary_cls = type(self.skeleton.model.rotary_emb)
+        self.rotary = rotary_cls(config=self.config).to(self.device)
+
+    def _mask(self, h: torch.Tensor, pos: torch.Tensor):
+        from transformers.masking_utils import create_causal_mask
+
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
+                                  position_ids=pos, allow_is_causal_skip=False)
+        layer_types = getattr(self.config, "layer_types", None)
+        return {t: mask for t in set(layer_types)} if isinstance(layer_types, list) else mask
+
+    def _build_layer(self, i: int) -> nn.Module:
+        layer = self.skeleton.model.layers[i]
+        experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if experts is not None and hasattr(experts, "gate_up_proj"):
+            with torch.device("meta"):
+                layer.mlp.experts = UnfusedExperts(experts.num_experts, experts.hidden_dim, experts.intermediate_dim,
+                                                   experts.act_fn, self.dtype)
+        layer.to_empty(device=self.device)
+        prefix = f"{self.model.prefix}model.layers.{i}."
+        want = dict(layer.named_parameters()) | dict(layer.named_buffers())
+        have = {n[len(prefix):]: n for n in self.ckpt.tensors if n.startswith(prefix)}
+        missing = sorted(set(want) - set(have))
+        if missing:
+            from quantize.errors import QuantizeError
+
+            raise QuantizeError(f"layer {i}: the checkpoint lacks {prefix}{missing[0]} that the "
+                                f"{type(layer).__name__} needs")
+        with torch.no_grad():
+            for rel, t in want.items():
+                t.copy_(self._decode(have[rel]).to(t.dtype))
+        layer.eval()
+        return layer
+
+    def _run(self, layer: nn.Module, i: int, keep_outputs: bool) -> ActivationStore | None:
+        out = self._store() if keep_outputs else None
+        layer_type = (getattr(self.config, "layer_types", None) or [None] * (i + 1))[i]
+        with torch.no_grad():
+            for s in range(len(self.hidden)):
+                h, pos = self.hidden[s], self.positions[s]
+                mask = self._mask(h, pos)
+                if isinstance(mask, dict):
+                    mask = mask[layer_type]
+                kwargs = {"prev_topk_indices": self.carry[s]} if "prev_topk_indices" in _forward_params(layer) else {}
+                y = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(h, pos), **kwargs)
+                if isinstance(y, tuple):
+                    y, extra = y[0], y[1]
+                    if keep_outputs:
+                        self.carry[s] = extra
+                if keep_outputs:
+                    out.append(y)
+        return out
+
+    def produce(self, e: Entry) -> list[torch.Tensor] | None:
+        """The output tensors of a calibrated entry, or None when the entry is not calibrated here."""
+        if e.tensor.name not in self.targets:
+            return None
+        with self.lock:  # writer threads ask concurrently; layers must run one at a time, in order
+            while e.tensor.name not in self.results:
+                self._quantize_layer(self.next_layer)
+                self.next_layer += 1
+            return self.results.pop(e.tensor.name)
+
+    def _layer_targets(self, i: int) -> dict[str, Entry]:
+        prefix = f"{self.model.prefix}model.layers.{i}."
+        return {n[len(prefix):-len(".weight")]: e for n, e in self.targets.items() if e.role.layer == i}
+
+    def _quantize_layer(self, i: int) -> None:
+        t0 = time.perf_counter()
+        targets = self._layer_targets(i)
+        layer = self._build_layer(i)
+        modules = dict(layer.named_modules())
+        hessians: dict[str, torch.Tensor] = {}
+        hooks = []
+        expert_targets = {m for m in targets if ".experts." in m}
+        for m in targets:
+            if m in expert_targets:
+                continue
+            hessians[m] = torch.zeros(modules[m].in_features, modules[m].in_features, dtype=torch.float64,
+                                      device=self.device)
+            hooks.append(modules[m].register_forward_pre_hook(partial(_accumulate, hessians[m])))
+        moe_inputs, routes = self._store(), []
+        experts_module = next((mod for mod in modules.values() if isinstance(mod, UnfusedExperts)), None)
+        if expert_targets and experts_module is not None:
+            def record(x, top_k_index):
+                moe_inputs.append(x)
+                routes.append(top_k_index.to("cpu"))
+            experts_module.record = record
+        self._run(layer, i, keep_outputs=False)
+        for h in hooks:
+            h.remove()
+        if experts_module is not None:
+            experts_module.record = None
+
+        report = LayerReport(layer=i, seconds=0.0, modules=len(targets))
+        for m in sorted(set(targets) - expert_targets):
+            self._quantize_module(modules[m], targets[m], hessians.pop(m), report)
+        if expert_targets:
+            self._quantize_experts(experts_module, targets, moe_inputs, routes, report)
+        moe_inputs.clear()
+
+        new_hidden = self._run(layer, i, keep_outputs=True)
+        self.hidden.clear()
+        self.hidden = new_hidden
+        self.skeleton.model.layers[i] = nn.Module()  # drop the layer's weights
+        report.seconds = time.perf_counter() - t0
+        self.stats.layers.append(report)
+        if self.on_layer:
+            self.on_layer(report, self.model.num_hidden_layers)
+
+    def _quantize_module(self, module: nn.Linear, e: Entry, H: torch.Tensor | None, report: LayerReport) -> None:
+        """GPTQ (or RTN when H is None) on one Linear; its weight becomes the dequantized result."""
+        s, p = self.recipe.scheme, self.recipe.gptq
+        W = module.weight.data
+        scale, zp = rtn.group_qparams(W, s.group_size, s.num_bits, s.symmetric)
+        if H is None:
+            codes, fallback = rtn.quantize_groups(W, scale, zp, s.num_bits), False
+        else:
+            codes, fallback = gptq.gptq_quantize(W, H, scale, zp, s.num_bits, p.block_size, p.dampening_frac,
+                                                 actorder=p.actorder == "static")
+            if fallback:
+                report.fallbacks.append(f"{e.role.module} (Hessian not positive definite: RTN)")
+        Wq = rtn.dequantize_groups(codes, scale, zp).to(W.dtype)
+        self.stats.error[e.role.kind].append(float((W.float() - Wq.float()).norm() / W.float().norm().clamp(min=1e-12)))
+        module.weight.data = Wq
+        if e.tensor.name in self.written:
+            return
+        out = [pack.pack_int4(codes), scale, torch.tensor(e.tensor.shape, dtype=torch.int64)]
+        if zp is not None:
+            out.append(pack.pack_int4(zp, packed_dim=0))
+        self.results[e.tensor.name] = [t.to("cpu") for t in out]
+
+    def _quantize_experts(self, experts: UnfusedExperts, targets: dict[str, Entry], inputs: ActivationStore,
+                          routes: list[torch.Tensor], report: LayerReport) -> None:
+        cal = self.recipe.calibration
+        n_experts = len(experts)
+        counts = torch.zeros(n_experts, dtype=torch.long)
+        for r in routes:
+            counts += torch.bincount(r.flatten(), minlength=n_experts)
+        report.tokens_per_expert = {e: int(c) for e, c in enumerate(counts)}
+        prefix = next(iter(targets)).split(".experts.")[0] + ".experts."
+        for e in range(n_experts):
+            names = {leaf: f"{prefix}{e}.{leaf}" for leaf in ("gate_proj", "up_proj", "down_proj")}
+            names = {k: v for k, v in names.items() if v in targets}
+            if not names:
+                continue
+            m = experts[e]
+            if counts[e] < max(cal.min_expert_tokens, 1) and not cal.calibrate_all_experts:
+                report.fallbacks.append(f"{prefix}{e} ({int(counts[e])} tokens < {cal.min_expert_tokens}: RTN)")
+                for leaf, name in names.items():
+                    self._quantize_module(getattr(m, leaf), targets[name], None, report)
+                continue
+            H_in = torch.zeros(m.gate_proj.in_features, m.gate_proj.in_features, dtype=torch.float64, device=self.device)
+            H_down = torch.zeros(m.down_proj.in_features, m.down_proj.in_features, dtype=torch.float64, device=self.device)
+            with torch.no_grad():
+                for s in range(len(inputs)):
+                    x = inputs[s]
+                    if not cal.calibrate_all_experts:
+                        x = x[(routes[s] == e).any(dim=-1).to(x.device)]
+                    if x.shape[0] == 0:
+                        continue
+                    gptq.add_batch(H_in, x)
+                    gptq.add_batch(H_down, experts.act_fn(m.gate_proj(x)) * m.up_proj(x))
+            report.experts_calibrated += 1
+            for leaf in ("gate_proj", "up_proj"):
+                if leaf in names:
+                    self._quantize_module(getattr(m, leaf), targets[names[leaf]], H_in, report)
+            if "down_proj" in names:
+                self._quantize_module(m.down_proj, targets[names["down_proj"]], H_down, report)
+            del H_in, H_down
+
+
+def _accumulate(H: torch.Tensor, _module: nn.Module, args: tuple) -> None:
+    gptq.add_batch(H, args[0])
+
+
+def _forward_params(module: nn.Module) -> set[str]:
+    import inspect
+
+    return set(inspect.signature(module.forward).parameters)
+
+
+class Calibrated:
+    """The `calibrated` hook of stream.run: builds the LayerwiseQuantizer once the destination is ready."""
+
+    def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device, offload: str = "auto",
+                 on_layer: Callable[[LayerReport, int], None] | None = None):
+        self.args = (plan, samples, device, offload)
+        self.on_layer = on_layer
+        self.quantizer: LayerwiseQuantizer | None = None
+
+    def __call__(self, written: set[str]) -> Callable[[Entry], list[torch.Tensor] | None]:
+        plan, samples, device, offload = self.args
+        self.quantizer = LayerwiseQuantizer(plan, samples, device, offload, on_layer=self.on_layer, written=written)
+        return self.quantizer.produce
+
+    def close(self) -> None:
+        if self.quantizer is not None:
+            self.quantizer.close()
