@@ -199,8 +199,8 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--scheme", type=click.Choice(["w4a16"]), help="Quantize every Linear but lm_head (instead of --recipe).")
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
               help="Columns per scale, with --scheme.")
-@click.option("--method", type=click.Choice(["rtn", "gptq"]), help="Overrides the recipe's method (default rtn).")
-@click.option("--calib", help="Calibration data for gptq: .jsonl/.txt/.parquet file or Hub dataset org/name[:split].")
+@click.option("--method", type=click.Choice(["rtn", "gptq", "awq"]), help="Overrides the recipe's method (default rtn).")
+@click.option("--calib", help="Calibration data for gptq/awq: .jsonl/.txt/.parquet file or Hub dataset org/name[:split].")
 @click.option("--num-samples", type=click.IntRange(1), help="Calibration samples [recipe, else 512].")
 @click.option("--seq-len", type=click.IntRange(8), help="Tokens per calibration sample at most [recipe, else 2048].")
 @click.option("--seed", type=int, help="Seed that picks the samples [recipe, else 0].")
@@ -224,9 +224,10 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
     """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT.
 
     \b
-    Methods: rtn streams tensor by tensor (no data, no model). gptq runs the layerwise engine: calibration
-    samples go through one decoder layer at a time, each Linear is quantized with GPTQ against the Hessian of
-    its real inputs, routed experts one at a time with the tokens the router sends them.
+    Methods: rtn streams tensor by tensor (no data, no model). gptq and awq run the layerwise engine:
+    calibration samples go through one decoder layer at a time; gptq quantizes each Linear against the
+    Hessian of its real inputs (routed experts one at a time, with the tokens the router sends them); awq
+    rescales input channels between each norm and the Linears it feeds, then rounds to nearest.
 
     \b
     Inputs: BF16/FP16 safetensors, DeepSeek-style FP8 blocks (Kimi K2, DeepSeek V3), compressed-tensors

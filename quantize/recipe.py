@@ -14,9 +14,9 @@ import yaml
 
 from quantize.errors import UsageError
 
-METHODS = ("rtn", "gptq")
+METHODS = ("rtn", "gptq", "awq")
 GROUP_SIZES = (32, 64, 128)
-RECIPE_KEYS = {"name", "description", "method", "scheme", "targets", "ignore", "gptq", "calibration"}
+RECIPE_KEYS = {"name", "description", "method", "scheme", "targets", "ignore", "gptq", "awq", "calibration"}
 SCHEME_KEYS = {"num_bits", "group_size", "symmetric", "strategy", "type"}
 
 
@@ -25,6 +25,12 @@ class GPTQParams:
     dampening_frac: float = 0.01
     block_size: int = 128
     actorder: str | None = "static"  # static: columns by descending Hessian diagonal, groups unchanged
+
+
+@dataclass(frozen=True)
+class AWQParams:
+    n_grid: int = 20
+    max_tokens: int = 4096  # token positions the grid search evaluates, spread evenly over the samples
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class Recipe:
     ignore: tuple[str, ...] = ("lm_head",)
     description: str = ""
     gptq: GPTQParams = GPTQParams()
+    awq: AWQParams = AWQParams()
     calibration: Calibration = Calibration()
     source: str = field(default="", compare=False)
 
@@ -106,7 +113,7 @@ class Recipe:
             "ignore": list(self.ignore),
         }
         if self.method != "rtn":
-            d[self.method] = vars(self.gptq)
+            d[self.method] = vars(getattr(self, self.method))
             d["calibration"] = vars(self.calibration)
         return d
 
@@ -171,11 +178,15 @@ def from_dict(raw: object, where: str) -> Recipe:
     gptq = _section(GPTQParams, raw.get("gptq"), "gptq", where)
     if not 0 <= gptq.dampening_frac < 1 or gptq.block_size < 1 or gptq.actorder not in ("static", None):
         raise UsageError(f"{where}: gptq needs 0 <= dampening_frac < 1, block_size >= 1, actorder static or null")
+    awq_params = _section(AWQParams, raw.get("awq"), "awq", where)
+    if awq_params.n_grid < 2 or awq_params.max_tokens < 1:
+        raise UsageError(f"{where}: awq needs n_grid >= 2 and max_tokens >= 1")
     calibration = _section(Calibration, raw.get("calibration"), "calibration", where)
     if calibration.num_samples < 1 or calibration.seq_len < 8 or calibration.min_expert_tokens < 0:
         raise UsageError(f"{where}: calibration needs num_samples >= 1, seq_len >= 8, min_expert_tokens >= 0")
     return Recipe(
         gptq=gptq,
+        awq=awq_params,
         calibration=calibration,
         name=str(raw.get("name") or Path(where).stem),
         scheme=_scheme(raw.get("scheme", {}), where),

@@ -2,6 +2,15 @@
 """Speed and memory, side by side with the reference tool on the same input, in one run.
 
     python scripts/bench.py rtn [--size-gb 2.2] [--device cpu|cuda] [--workers N] [--work DIR] [--json FILE]
+    python scripts/bench.py gptq [--num-samples 128] [--seq-len 512] [--work DIR] [--json FILE]
+    python scripts/bench.py depth [--work DIR] [--json FILE]
+
+`gptq`: SmolLM2-135M-Instruct (rebuilt by ../shared/scripts/build_smollm2.py) quantized W4A16 group 64 symmetric
+by our RTN, our layerwise GPTQ and llm-compressor's `oneshot` + GPTQModifier from the same calibration tokens
+(not shuffled); held-out perplexity of each on a text that is neither calibration nor evaluation data, wall time
+and peak RSS of our GPTQ and of oneshot in their own processes.
+
+`depth`: peak RSS of our GPTQ on synthetic Llama models of 4 and 16 layers (memory must not grow with depth).
 
 `rtn`: a synthetic Kimi-K2-style checkpoint in DeepSeek FP8 blocks (MLA attention, a dense first layer, routed
 and shared experts, router with float32 bias; random FP8 bytes, 4 shards) converted with the Kimi release
@@ -185,6 +194,139 @@ def bench_rtn(args) -> dict:
     return result
 
 
+ONESHOT = r"""
+import json, sys, torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from llmcompressor import oneshot
+from llmcompressor.modifiers.gptq import GPTQModifier
+src, out, samples_file, group = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+ids = json.load(open(samples_file))
+ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
+model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, group_size=group, symmetric=True,
+                                                                          strategy="group", type="int"))
+recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"], dampening_frac=0.01, block_size=128,
+                      actorder="static")
+oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=len(ids), max_seq_length=max(map(len, ids)),
+        shuffle_calibration_samples=False, output_dir=out)
+AutoTokenizer.from_pretrained(src).save_pretrained(out)
+"""
+
+PPL_TEXT = Path("/usr/share/common-licenses/GPL-3")
+
+
+def perplexity(folder: Path, text: str, window: int = 512) -> float:
+    """Mean next-token perplexity over non-overlapping windows of a held-out text."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    ids = tok(text, return_tensors="pt")["input_ids"][0]
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(ids) - 1, window):
+            chunk = ids[i : i + window + 1].unsqueeze(0)
+            if chunk.shape[1] < 2:
+                break
+            logits = model(chunk[:, :-1]).logits.float()
+            nll += torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:], reduction="sum").item()
+            n += chunk.shape[1] - 1
+    return math.exp(nll / n)
+
+
+def bench_gptq(args) -> dict:
+    from quantize import calib
+
+    work = Path(args.work)
+    src = work / "smollm2"
+    if not (src / "model.safetensors").exists():
+        subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "shared/scripts/build_smollm2.py"),
+                        str(src)], check=True)
+    data = str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl")
+    samples = calib.load_samples(data, calib.load_tokenizer(src), args.num_samples, args.seq_len, seed=0)
+    samples_file = work / "samples.json"
+    samples_file.write_text(json.dumps([s[0].tolist() for s in samples]))
+    outs = {name: work / f"smol-{name}" for name in ("rtn", "gptq", "llmc-gptq")}
+    for d in outs.values():
+        shutil.rmtree(d, ignore_errors=True)
+    common = ["--scheme", "w4a16", "--group-size", str(args.group_size), "--json"]
+    rtn = measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs["rtn"]), *common])
+    ours = measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs["gptq"]), *common, "--method", "gptq",
+                    "--calib", data, "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len)])
+    ref = measure([sys.executable, "-c", ONESHOT, str(src), str(outs["llmc-gptq"]), str(samples_file), str(args.group_size)])
+    text = PPL_TEXT.read_text()
+    ppl = {"bf16": perplexity(src, text)} | {name: perplexity(d, text) for name, d in outs.items()}
+    return {
+        "model": "SmolLM2-135M-Instruct", "scheme": f"w4a16 g{args.group_size} symmetric",
+        "calibration": {"data": "gsm8k train.jsonl", "num_samples": args.num_samples, "seq_len": args.seq_len,
+                        "tokens": sum(s.numel() for s in samples)},
+        "perplexity_text": str(PPL_TEXT), "perplexity": ppl,
+        "gptq_vs_llmc_ppl_ratio": ppl["gptq"] / ppl["llmc-gptq"],
+        "gptq_vs_rtn_ppl_ratio": ppl["gptq"] / ppl["rtn"],
+        "quantize_rtn": rtn, "quantize_gptq": ours, "llmc_oneshot_gptq": ref,
+        "speedup_vs_oneshot": ref["seconds"] / ours["seconds"],
+        "rss_ratio_vs_oneshot": ours["peak_rss"] / ref["peak_rss"],
+    }
+
+
+def synthetic_llama(out: Path, layers: int, hidden: int = 1024, inter: int = 2816) -> Path:
+    """A dense Llama of random weights, written layer by layer, one shard per layer, with the fixture tokenizer."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import make_fixture
+
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    vocab = make_fixture.VOCAB
+    weight_map = {}
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    shards = [{"model.embed_tokens.weight": rnd(vocab, hidden)}]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shards.append({
+            p + "self_attn.q_proj.weight": rnd(hidden, hidden), p + "self_attn.k_proj.weight": rnd(hidden // 4, hidden),
+            p + "self_attn.v_proj.weight": rnd(hidden // 4, hidden), p + "self_attn.o_proj.weight": rnd(hidden, hidden),
+            p + "mlp.gate_proj.weight": rnd(inter, hidden), p + "mlp.up_proj.weight": rnd(inter, hidden),
+            p + "mlp.down_proj.weight": rnd(hidden, inter),
+            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        })
+    shards.append({"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16), "lm_head.weight": rnd(vocab, hidden)})
+    for k, tensors in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, out / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+              "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+              "num_attention_heads": 16, "num_key_value_heads": 4, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5}
+    (out / "config.json").write_text(json.dumps(config))
+    make_fixture.build_tokenizer(out)
+    return out
+
+
+def bench_depth(args) -> dict:
+    work = Path(args.work)
+    data = str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl")
+    result = {}
+    for layers in (4, 16):
+        src = work / f"llama-{layers}"
+        if not (src / "config.json").exists():
+            synthetic_llama(src, layers)
+        out = work / f"llama-{layers}-gptq"
+        shutil.rmtree(out, ignore_errors=True)
+        result[f"layers_{layers}"] = measure([sys.executable, "-m", "quantize", "convert", str(src), str(out),
+                                              "--scheme", "w4a16", "--group-size", "128", "--method", "gptq", "--calib",
+                                              data, "--num-samples", "32", "--seq-len", "256", "--json"])
+        result[f"layers_{layers}"]["source_bytes"] = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    result["rss_ratio_16_vs_4"] = result["layers_16"]["peak_rss"] / result["layers_4"]["peak_rss"]
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -194,8 +336,17 @@ def main() -> None:
     r.add_argument("--workers", type=int, default=2)
     r.add_argument("--work", default=".cache/bench")
     r.add_argument("--json", dest="json_out")
+    q = sub.add_parser("gptq", help="GPTQ on SmolLM2: perplexity and speed vs llm-compressor oneshot")
+    q.add_argument("--num-samples", type=int, default=128)
+    q.add_argument("--seq-len", type=int, default=512)
+    q.add_argument("--group-size", type=int, default=64)
+    q.add_argument("--work", default=".cache/bench")
+    q.add_argument("--json", dest="json_out")
+    d = sub.add_parser("depth", help="GPTQ peak RSS at 4 vs 16 layers")
+    d.add_argument("--work", default=".cache/bench")
+    d.add_argument("--json", dest="json_out")
     a = p.parse_args()
-    result = bench_rtn(a)
+    result = {"rtn": bench_rtn, "gptq": bench_gptq, "depth": bench_depth}[a.what](a)
     text = json.dumps(result, indent=2)
     print(text)
     if a.json_out:

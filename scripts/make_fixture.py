@@ -84,7 +84,7 @@ def _hf_checkpoint(kind: str, seed: int) -> tuple[dict[str, torch.Tensor], dict]
     elif kind == "glm_moe_dsa":
         cfg = transformers.GlmMoeDsaConfig(
             **{k: v for k, v in MOE.items() if k != "first_k_dense_replace"}, **MLA, index_head_dim=64, index_n_heads=2,
-            index_topk=64, mlp_layer_types=["dense", "sparse", "sparse"],
+            index_topk=8, mlp_layer_types=["dense", "sparse", "sparse"],
         )
         model = transformers.GlmMoeDsaForCausalLM(cfg)
     elif kind == "llama":

@@ -19,6 +19,10 @@ class Arch:
     moe: bool
     # model_type -> (transformers config class, causal LM class), for the layerwise engine's forwards
     hf_classes: dict[str, tuple[str, str]]
+    # AWQ: (norm module, regexes of every module that consumes its output), names relative to a decoder layer;
+    # every consumer is listed, quantized or not (a router or indexer left out would see rescaled inputs).
+    # Each MLP's up_proj -> down_proj and, where shapes allow, v_proj -> o_proj are added by the engine.
+    awq_norms: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,12 @@ ARCH = Arch(
     model_types=("deepseek_v3", "kimi_k2"),
     linear_leaves=MLA_LINEARS | MLP_LINEARS,
     moe=True,
+    awq_norms=(
+        ("input_layernorm", (r"self_attn\.(q|q_a)_proj", r"self_attn\.kv_a_proj_with_mqa")),
+        ("self_attn.q_a_layernorm", (r"self_attn\.q_b_proj",)),
+        ("self_attn.kv_a_layernorm", (r"self_attn\.kv_b_proj",)),
+        ("post_attention_layernorm", (r"mlp\.gate", r"mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up)_proj")),
+    ),
     hf_classes={"deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
                 "kimi_k2": ("DeepseekV3Config", "DeepseekV3ForCausalLM")},
 )

@@ -7,6 +7,10 @@ ARCH = Arch(
     model_types=("llama", "qwen2", "qwen3"),
     linear_leaves=frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
     moe=False,
+    awq_norms=(
+        ("input_layernorm", (r"self_attn\.(q|k|v)_proj",)),
+        ("post_attention_layernorm", (r"mlp\.gate", r"mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up)_proj")),
+    ),
     hf_classes={
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),

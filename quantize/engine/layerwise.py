@@ -1,4 +1,4 @@
-"""The layerwise engine: GPTQ one decoder layer at a time, never the whole model.
+"""The layerwise engine: GPTQ or AWQ one decoder layer at a time, never the whole model.
 
 Calibration tokens are embedded once; then for each decoder layer in order the layer is built from the
 architecture's transformers class (meta init, then only this layer's weights, decoded from the source
@@ -10,6 +10,7 @@ Hessian is ever held. Activations stay on the compute device, in host memory or 
 """
 
 import math
+import re
 import shutil
 import tempfile
 import threading
@@ -24,7 +25,7 @@ import psutil
 import torch
 from torch import nn
 
-from quantize.quant import gptq, pack, rtn
+from quantize.quant import awq, gptq, pack, rtn
 from quantize.tensor_plan import Entry, Plan
 
 
@@ -120,6 +121,7 @@ class Stats:
     layers: list[LayerReport] = field(default_factory=list)
     error: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     offload: str = ""
+    awq: list[dict] = field(default_factory=list)
 
     def mean_error(self) -> dict[str, float]:
         return {k: sum(v) / len(v) for k, v in sorted(self.error.items())}
@@ -143,6 +145,8 @@ class LayerwiseQuantizer:
         self.config = self.model.transformers_config(self.dtype)
         with torch.device("meta"):
             self.skeleton = self.model.causal_lm_class()._from_config(self.config, dtype=self.dtype)
+        self.entries = {e.tensor.name: e for e in plan.entries}
+        self.awq_rows = self.recipe.awq.max_tokens
         self.targets = {e.tensor.name: e for e in plan.entries if e.action == "quantize" and e.role.layer is not None
                         and e.role.kind != "mtp"}
         self.results: dict[str, list[torch.Tensor]] = {}
@@ -228,13 +232,16 @@ class LayerwiseQuantizer:
 
     def produce(self, e: Entry) -> list[torch.Tensor] | None:
         """The output tensors of a calibrated entry, or None when the entry is not calibrated here."""
-        if e.tensor.name not in self.targets:
+        layer = e.role.layer
+        if layer is None or e.role.kind == "mtp":
             return None
+        if self.recipe.method == "gptq" and e.tensor.name not in self.targets:
+            return None  # GPTQ changes only what it quantizes; AWQ smoothing also rescales norms and routers
         with self.lock:  # writer threads ask concurrently; layers must run one at a time, in order
-            while e.tensor.name not in self.results:
+            while self.next_layer <= layer:
                 self._quantize_layer(self.next_layer)
                 self.next_layer += 1
-            return self.results.pop(e.tensor.name)
+            return self.results.pop(e.tensor.name, None)
 
     def _layer_targets(self, i: int) -> dict[str, Entry]:
         prefix = f"{self.model.prefix}model.layers.{i}."
@@ -244,6 +251,21 @@ class LayerwiseQuantizer:
         t0 = time.perf_counter()
         targets = self._layer_targets(i)
         layer = self._build_layer(i)
+        report = LayerReport(layer=i, seconds=0.0, modules=len(targets))
+        if self.recipe.method == "awq":
+            self._awq_layer(layer, i, targets, report)
+        else:
+            self._gptq_layer(layer, i, targets, report)
+        new_hidden = self._run(layer, i, keep_outputs=True)
+        self.hidden.clear()
+        self.hidden = new_hidden
+        self.skeleton.model.layers[i] = nn.Module()  # drop the layer's weights
+        report.seconds = time.perf_counter() - t0
+        self.stats.layers.append(report)
+        if self.on_layer:
+            self.on_layer(report, self.model.num_hidden_layers)
+
+    def _gptq_layer(self, layer: nn.Module, i: int, targets: dict[str, Entry], report: LayerReport) -> None:
         modules = dict(layer.named_modules())
         hessians: dict[str, torch.Tensor] = {}
         hooks = []
@@ -266,22 +288,81 @@ class LayerwiseQuantizer:
             h.remove()
         if experts_module is not None:
             experts_module.record = None
-
-        report = LayerReport(layer=i, seconds=0.0, modules=len(targets))
         for m in sorted(set(targets) - expert_targets):
             self._quantize_module(modules[m], targets[m], hessians.pop(m), report)
         if expert_targets:
             self._quantize_experts(experts_module, targets, moe_inputs, routes, report)
         moe_inputs.clear()
 
-        new_hidden = self._run(layer, i, keep_outputs=True)
-        self.hidden.clear()
-        self.hidden = new_hidden
-        self.skeleton.model.layers[i] = nn.Module()  # drop the layer's weights
-        report.seconds = time.perf_counter() - t0
-        self.stats.layers.append(report)
-        if self.on_layer:
-            self.on_layer(report, self.model.num_hidden_layers)
+    def _awq_mappings(self, modules: dict[str, nn.Module], targets: dict[str, Entry]) -> list[tuple[str, list[str]]]:
+        """(smooth, balance) pairs present in this layer whose balance layers include something quantized."""
+        pairs = []
+        for smooth, patterns in self.model.arch.awq_norms:
+            if smooth in modules:
+                balance = [n for n in modules if any(re.fullmatch(p, n) for p in patterns)
+                           and getattr(modules[n], "weight", None) is not None]
+                pairs.append((smooth, balance))
+        for n, mod in modules.items():
+            if n.endswith("up_proj") and (down := n[: -len("up_proj")] + "down_proj") in modules:
+                pairs.append((n, [down]))
+            if n.endswith("self_attn.v_proj") and (o := n[: -len("v_proj")] + "o_proj") in modules:
+                if mod.out_features == modules[o].in_features:
+                    pairs.append((n, [o]))
+        return [(sm, bal) for sm, bal in pairs if bal and any(b in targets for b in bal)]
+
+    def _awq_layer(self, layer: nn.Module, i: int, targets: dict[str, Entry], report: LayerReport) -> None:
+        """Record the inputs each mapping's balance layers see, search and apply the scales, then RTN."""
+        modules = dict(layer.named_modules())
+        mappings = self._awq_mappings(modules, targets)
+        experts = next((mod for mod in modules.values() if isinstance(mod, UnfusedExperts)), None)
+        rec = _AWQRecorder(self.awq_rows, len(self.hidden))
+        hooks = []
+        for smooth, balance in mappings:
+            if isinstance(modules[smooth], nn.Linear):  # up -> down, v -> o: record what the balance layer receives
+                hooks.append(modules[balance[0]].register_forward_pre_hook(partial(rec.pre_hook, smooth)))
+            else:
+                hooks.append(modules[smooth].register_forward_hook(partial(rec.hook, smooth)))
+        if experts is not None:
+            experts.record = rec.record_routes
+        self._run(layer, i, keep_outputs=False)
+        for h in hooks:
+            h.remove()
+        if experts is not None:
+            experts.record = None
+
+        s, g = self.recipe.scheme, self.recipe.scheme.group_size
+        modified: set[str] = set()
+        for smooth, balance in mappings:
+            x_mean, X = rec.stats(smooth)
+            if X is None:
+                continue
+            layers = []
+            for b in balance:
+                if b not in targets:
+                    continue
+                xb = X
+                if not isinstance(modules[smooth], nn.Linear) and (e := _expert_index(b)) is not None:
+                    xb = X[rec.routed_rows(e)]  # a norm feeds every token; an expert sees the ones routed to it
+                if xb.shape[0]:
+                    layers.append((modules[b].weight.data, xb))
+            if not layers:
+                continue
+            scales, ratio, initial, best = awq.search(x_mean.to(self.device), layers, g, s.symmetric,
+                                                     self.recipe.awq.n_grid)
+            self.stats.awq.append({"layer": i, "smooth": smooth, "ratio": ratio, "loss_identity": initial,
+                                   "loss_best": best})
+            _apply_scales(modules[smooth], [modules[b] for b in balance], scales.to(self.device))
+            modified.update([smooth, *balance])
+        for m, e in targets.items():
+            self._quantize_module(modules[m], e, None, report)
+        prefix = f"{self.model.prefix}model.layers.{i}."
+        for m in sorted(modified - set(targets)):
+            for leaf in ("weight", "bias"):
+                name = f"{prefix}{m}.{leaf}"
+                t = getattr(modules[m], leaf, None)
+                if t is None or name not in self.entries or name in self.written:
+                    continue
+                self.results[name] = [t.detach().to("cpu", _dtype(self.entries[name].outputs[0].dtype))]
 
     def _quantize_module(self, module: nn.Linear, e: Entry, H: torch.Tensor | None, report: LayerReport) -> None:
         """GPTQ (or RTN when H is None) on one Linear; its weight becomes the dequantized result."""
@@ -343,6 +424,72 @@ class LayerwiseQuantizer:
             if "down_proj" in names:
                 self._quantize_module(m.down_proj, targets[names["down_proj"]], H_down, report)
             del H_in, H_down
+
+
+def _expert_index(name: str) -> int | None:
+    m = re.search(r"experts\.(\d+)\.", name)
+    return int(m[1]) if m else None
+
+
+def _dtype(name: str) -> torch.dtype:
+    from quantize.safetensors_file import DTYPES
+
+    return DTYPES[name]
+
+
+@torch.no_grad()
+def _apply_scales(smooth: nn.Module, balance: list[nn.Module], s: torch.Tensor) -> None:
+    """smooth's output / s, every balance layer's input columns * s: the float model is unchanged."""
+    w = smooth.weight
+    if w.ndim == 1:
+        w.copy_((w.float() / s).to(w.dtype))
+    else:
+        w[-s.numel():].copy_((w[-s.numel():].float() / s.view(-1, 1)).to(w.dtype))
+    if getattr(smooth, "bias", None) is not None:
+        smooth.bias[-s.numel():].copy_((smooth.bias[-s.numel():].float() / s).to(smooth.bias.dtype))
+    for b in balance:
+        b.weight.copy_((b.weight.float() * s.view(1, -1)).to(b.weight.dtype))
+
+
+class _AWQRecorder:
+    """What AWQ needs of one calibration pass: mean |x| per channel of every mapping's input over all tokens,
+    and the inputs themselves at a fixed, evenly spread subset of token positions (the grid search's data)."""
+
+    def __init__(self, max_rows: int, n_samples: int):
+        self.max_rows, self.n_samples = max_rows, n_samples
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = defaultdict(int)
+        self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.routes: list[torch.Tensor] = []
+
+    def _keep(self, name: str, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1])
+        a = x.abs().sum(0, dtype=torch.float64)
+        self.sums[name] = self.sums[name] + a if name in self.sums else a
+        self.counts[name] += x.shape[0]
+        per_sample = max(1, self.max_rows // self.n_samples)
+        stride = max(1, x.shape[0] // per_sample)
+        self.rows[name].append(x[::stride][:per_sample].float().to("cpu"))
+
+    def hook(self, name: str, _module, _args, output) -> None:
+        self._keep(name, output[0] if isinstance(output, tuple) else output)
+
+    def pre_hook(self, name: str, _module, args) -> None:
+        self._keep(name, args[0])
+
+    def record_routes(self, x: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        per_sample = max(1, self.max_rows // self.n_samples)
+        stride = max(1, x.shape[0] // per_sample)
+        self.routes.append(top_k_index[::stride][:per_sample].to("cpu"))
+
+    def stats(self, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.counts.get(name):
+            return None, None
+        return (self.sums[name] / self.counts[name]).float(), torch.cat(self.rows[name])
+
+    def routed_rows(self, expert: int) -> torch.Tensor:
+        return (torch.cat(self.routes) == expert).any(dim=-1)
 
 
 def _accumulate(H: torch.Tensor, _module: nn.Module, args: tuple) -> None:

@@ -1,0 +1,75 @@
+"""AWQ (Lin et al., 2023, arXiv:2306.00978): per input channel scales s that move quantization difficulty from
+weights to activations. A smooth layer's output is divided by s and the Linears that consume it (the balance
+layers) are multiplied by s, which leaves the float model unchanged; s is picked by a grid search that
+minimizes the error of the quantized balance layers on recorded inputs.
+
+The search space follows llm-compressor's AWQModifier (duo scaling, 20 grid points, the identity first):
+s = x_mean^r / (w_mean^(1-r) + 1e-4), normalized by sqrt(max * min). The loss is the mean squared error of
+each quantized balance layer's output on its own recorded inputs.
+"""
+
+import torch
+
+from quantize.quant.rtn import fake_quantize
+
+
+def grid(n_grid: int = 20) -> list[tuple[float, bool]]:
+    """(ratio, duo_scaling) pairs: the identity (0, plain) first, then n_grid - 1 duo-scaled ratios in [0, 1]."""
+    return [(0.0, False)] + [(i / (n_grid - 2), True) for i in range(n_grid - 1)]
+
+
+def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """Mean over output rows of |W| normalized by its group's max, per input channel, over all balance layers."""
+    total, rows = 0, 0
+    for w in weights:
+        g = w.float().abs().reshape(-1, group_size)
+        g = (g / (g.amax(dim=1, keepdim=True) + 1e-6)).reshape(w.shape)
+        total = total + g.sum(0, dtype=torch.float64)
+        rows += w.shape[0]
+    return (total / rows).float()
+
+
+def candidate(x_mean: torch.Tensor, w_mean: torch.Tensor, ratio: float, duo: bool) -> torch.Tensor:
+    if duo:
+        s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)).clamp(min=1e-4)
+    else:
+        s = x_mean.pow(ratio).clamp(min=1e-4)
+    s = s / (s.max() * s.min()).sqrt()
+    s[torch.isinf(s) | torch.isnan(s)] = 1
+    return s
+
+
+def scaled_fake_quant(w: torch.Tensor, s: torch.Tensor, group_size: int, symmetric: bool) -> torch.Tensor:
+    """Q(W * s) / s in w's dtype: what the balance layer computes after smoothing and quantization."""
+    ws = (w.float() * s).to(w.dtype)
+    return (fake_quantize(ws, group_size, symmetric=symmetric).float() / s).to(w.dtype)
+
+
+def search(
+    x_mean: torch.Tensor,
+    layers: list[tuple[torch.Tensor, torch.Tensor]],
+    group_size: int,
+    symmetric: bool = True,
+    n_grid: int = 20,
+) -> tuple[torch.Tensor, float, float, float]:
+    """Best scales for balance layers [(W [out, in], X [tokens, in])] sharing one input of mean |x| `x_mean` [in].
+
+    Returns (scales [in] float32, best ratio, loss with identity scales, best loss).
+    """
+    w_mean = weight_mean([w for w, _ in layers], group_size)
+    refs = [x.float() @ w.float().t() for w, x in layers]
+    best = (None, -1.0, float("inf"))
+    initial = None
+    for ratio, duo in grid(n_grid):
+        s = candidate(x_mean, w_mean, ratio, duo)
+        err, n = 0.0, 0
+        for (w, x), ref in zip(layers, refs, strict=True):
+            out = x.float() @ scaled_fake_quant(w, s, group_size, symmetric).float().t()
+            err += float((out - ref).pow(2).sum())
+            n += ref.numel()
+        loss = err / max(n, 1)
+        if initial is None:
+            initial = loss
+        if loss < best[2]:
+            best = (s.clone(), ratio, loss)
+    return best[0], best[1], initial, best[2]
