@@ -2,8 +2,9 @@
 
 DATA is a local .jsonl / .txt / .parquet file or a Hub dataset (`org/name[:split]`). A row's text is its
 `text` field, `question` + `answer` (GSM8K layout), or a `messages` chat list rendered with the checkpoint's
-chat template. Samples are drawn with `seed` from the rows in file order, so the same data and seed give the
-same tokens, and tokenized without padding: each sample is one sequence of at most `seq_len` tokens.
+chat template; each sampled row is one sequence of at most `seq_len` tokens. A .txt file is running text: it is
+tokenized whole and cut into `seq_len`-token windows, from which samples are drawn (as GPTQ draws C4 windows).
+Samples are drawn with `seed`, so the same data and seed give the same tokens; there is no padding.
 Calibration data must never come from an evaluation set's test split.
 """
 
@@ -38,8 +39,7 @@ def _rows(spec: str) -> list[dict]:
             with open(path) as f:
                 return [json.loads(line) for line in f if line.strip()]
         if path.suffix == ".txt":
-            # paragraphs are the natural units of running text
-            return [{"text": p} for p in path.read_text().split("\n\n") if p.strip()]
+            return [{"running_text": path.read_text()}]
         if path.suffix == ".parquet":
             import pyarrow.parquet as pq
 
@@ -62,6 +62,11 @@ def load_tokenizer(folder: Path, trust_remote_code: bool = False):
     """The checkpoint's own tokenizer; its remote code runs only with --trust-remote-code."""
     from transformers import AutoTokenizer
 
+    folder = Path(folder)
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")) and not any(
+        folder.glob("*.tiktoken")
+    ):
+        raise QuantizeError(f"{folder} has no tokenizer files; calibration needs the checkpoint's tokenizer")
     try:
         return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except ValueError as e:
@@ -76,7 +81,10 @@ def load_tokenizer(folder: Path, trust_remote_code: bool = False):
 
 def load_samples(spec: str, tokenizer, num_samples: int, seq_len: int, seed: int = 0) -> list[torch.Tensor]:
     """`num_samples` token id tensors [1, <= seq_len] drawn with `seed`; texts shorter than 8 tokens are skipped."""
-    texts = [t for t in (_row_text(r, tokenizer) for r in _rows(spec)) if t]
+    rows = _rows(spec)
+    if len(rows) == 1 and "running_text" in rows[0]:
+        return _windows(rows[0]["running_text"], tokenizer, num_samples, seq_len, seed, spec)
+    texts = [t for t in (_row_text(r, tokenizer) for r in rows) if t]
     if not texts:
         raise UsageError(f"--calib {spec}: no rows with text, question/answer or messages")
     order = list(range(len(texts)))
@@ -91,3 +99,12 @@ def load_samples(spec: str, tokenizer, num_samples: int, seq_len: int, seed: int
     if len(samples) < num_samples:
         raise UsageError(f"--calib {spec}: only {len(samples)} usable samples, {num_samples} asked for")
     return samples
+
+
+def _windows(text: str, tokenizer, num_samples: int, seq_len: int, seed: int, spec: str) -> list[torch.Tensor]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    n = len(ids) // seq_len
+    if n < num_samples:
+        raise UsageError(f"--calib {spec}: {len(ids)} tokens make {n} windows of {seq_len}, {num_samples} asked for")
+    picks = sorted(random.Random(seed).sample(range(n), num_samples))
+    return [torch.tensor([ids[i * seq_len : (i + 1) * seq_len]], dtype=torch.long) for i in picks]

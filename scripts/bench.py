@@ -2,13 +2,14 @@
 """Speed and memory, side by side with the reference tool on the same input, in one run.
 
     python scripts/bench.py rtn [--size-gb 2.2] [--device cpu|cuda] [--workers N] [--work DIR] [--json FILE]
-    python scripts/bench.py gptq [--num-samples 128] [--seq-len 512] [--work DIR] [--json FILE]
+    python scripts/bench.py gptq|awq [--num-samples 128|32] [--seq-len 512] [--work DIR] [--json FILE]
     python scripts/bench.py depth [--work DIR] [--json FILE]
 
-`gptq`: SmolLM2-135M-Instruct (rebuilt by ../shared/scripts/build_smollm2.py) quantized W4A16 group 64 symmetric
-by our RTN, our layerwise GPTQ and llm-compressor's `oneshot` + GPTQModifier from the same calibration tokens
-(not shuffled); held-out perplexity of each on a text that is neither calibration nor evaluation data, wall time
-and peak RSS of our GPTQ and of oneshot in their own processes.
+`gptq` / `awq`: SmolLM2-135M-Instruct (rebuilt by ../shared/scripts/build_smollm2.py) quantized W4A16 group 64
+symmetric by our RTN, our layerwise GPTQ (or AWQ) and llm-compressor's `oneshot` + GPTQModifier (or AWQModifier +
+QuantizationModifier) from the same calibration token windows of pydoc_data.topics (not shuffled); perplexity of
+each on /usr/share/common-licenses/GPL-3 (neither calibration nor evaluation data), wall time and peak RSS of ours
+and of oneshot in their own processes.
 
 `depth`: peak RSS of our GPTQ on synthetic Llama models of 4 and 16 layers (memory must not grow with depth).
 
@@ -201,14 +202,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from llmcompressor import oneshot
 from llmcompressor.modifiers.gptq import GPTQModifier
-src, out, samples_file, group = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+from llmcompressor.modifiers.quantization import QuantizationModifier
+from llmcompressor.modifiers.transform.awq import AWQModifier
+src, out, samples_file, group, method = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 ids = json.load(open(samples_file))
 ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
 scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, group_size=group, symmetric=True,
                                                                           strategy="group", type="int"))
-recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"], dampening_frac=0.01, block_size=128,
-                      actorder="static")
+if method == "gptq":
+    recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"], dampening_frac=0.01, block_size=128,
+                          actorder="static")
+else:
+    recipe = [AWQModifier(duo_scaling=True, n_grid=20),
+              QuantizationModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])]
 oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=len(ids), max_seq_length=max(map(len, ids)),
         shuffle_calibration_samples=False, output_dir=out)
 AutoTokenizer.from_pretrained(src).save_pretrained(out)
@@ -236,36 +243,49 @@ def perplexity(folder: Path, text: str, window: int = 512) -> float:
     return math.exp(nll / n)
 
 
-def bench_gptq(args) -> dict:
+def calibration_text(work: Path) -> Path:
+    """Running English text that ships with Python: neither the perplexity text nor an evaluation set."""
+    import pydoc_data.topics
+
+    path = work / "pydoc-topics.txt"
+    path.write_text("\n\n".join(v for _, v in sorted(pydoc_data.topics.topics.items())))
+    return path
+
+
+def bench_calibrated(args) -> dict:
+    """Our layerwise GPTQ or AWQ vs llm-compressor's oneshot on SmolLM2, same token windows, plus our RTN."""
     from quantize import calib
 
     work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
     src = work / "smollm2"
     if not (src / "model.safetensors").exists():
         subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "shared/scripts/build_smollm2.py"),
                         str(src)], check=True)
-    data = str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl")
-    samples = calib.load_samples(data, calib.load_tokenizer(src), args.num_samples, args.seq_len, seed=0)
+    data = calibration_text(work)
+    samples = calib.load_samples(str(data), calib.load_tokenizer(src), args.num_samples, args.seq_len, seed=0)
     samples_file = work / "samples.json"
     samples_file.write_text(json.dumps([s[0].tolist() for s in samples]))
-    outs = {name: work / f"smol-{name}" for name in ("rtn", "gptq", "llmc-gptq")}
+    m = args.what
+    outs = {name: work / f"smol-{name}" for name in ("rtn", m, f"llmc-{m}")}
     for d in outs.values():
         shutil.rmtree(d, ignore_errors=True)
     common = ["--scheme", "w4a16", "--group-size", str(args.group_size), "--json"]
     rtn = measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs["rtn"]), *common])
-    ours = measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs["gptq"]), *common, "--method", "gptq",
-                    "--calib", data, "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len)])
-    ref = measure([sys.executable, "-c", ONESHOT, str(src), str(outs["llmc-gptq"]), str(samples_file), str(args.group_size)])
+    ours = measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs[m]), *common, "--method", m,
+                    "--calib", str(data), "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len)])
+    ref = measure([sys.executable, "-c", ONESHOT, str(src), str(outs[f"llmc-{m}"]), str(samples_file),
+                   str(args.group_size), m])
     text = PPL_TEXT.read_text()
     ppl = {"bf16": perplexity(src, text)} | {name: perplexity(d, text) for name, d in outs.items()}
     return {
-        "model": "SmolLM2-135M-Instruct", "scheme": f"w4a16 g{args.group_size} symmetric",
-        "calibration": {"data": "gsm8k train.jsonl", "num_samples": args.num_samples, "seq_len": args.seq_len,
-                        "tokens": sum(s.numel() for s in samples)},
+        "model": "SmolLM2-135M-Instruct", "method": m, "scheme": f"w4a16 g{args.group_size} symmetric",
+        "calibration": {"data": "pydoc_data.topics (running text, windows)", "num_samples": args.num_samples,
+                        "seq_len": args.seq_len, "tokens": sum(s.numel() for s in samples)},
         "perplexity_text": str(PPL_TEXT), "perplexity": ppl,
-        "gptq_vs_llmc_ppl_ratio": ppl["gptq"] / ppl["llmc-gptq"],
-        "gptq_vs_rtn_ppl_ratio": ppl["gptq"] / ppl["rtn"],
-        "quantize_rtn": rtn, "quantize_gptq": ours, "llmc_oneshot_gptq": ref,
+        "ours_vs_llmc_ppl_ratio": ppl[m] / ppl[f"llmc-{m}"],
+        "ours_vs_rtn_ppl_ratio": ppl[m] / ppl["rtn"],
+        "quantize_rtn": rtn, f"quantize_{m}": ours, f"llmc_oneshot_{m}": ref,
         "speedup_vs_oneshot": ref["seconds"] / ours["seconds"],
         "rss_ratio_vs_oneshot": ours["peak_rss"] / ref["peak_rss"],
     }
@@ -311,7 +331,7 @@ def synthetic_llama(out: Path, layers: int, hidden: int = 1024, inter: int = 281
 
 def bench_depth(args) -> dict:
     work = Path(args.work)
-    data = str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k/train.jsonl")
+    data = str(calibration_text(work))
     result = {}
     for layers in (4, 16):
         src = work / f"llama-{layers}"
@@ -336,17 +356,18 @@ def main() -> None:
     r.add_argument("--workers", type=int, default=2)
     r.add_argument("--work", default=".cache/bench")
     r.add_argument("--json", dest="json_out")
-    q = sub.add_parser("gptq", help="GPTQ on SmolLM2: perplexity and speed vs llm-compressor oneshot")
-    q.add_argument("--num-samples", type=int, default=128)
-    q.add_argument("--seq-len", type=int, default=512)
-    q.add_argument("--group-size", type=int, default=64)
-    q.add_argument("--work", default=".cache/bench")
-    q.add_argument("--json", dest="json_out")
+    for method, n in (("gptq", 128), ("awq", 32)):
+        q = sub.add_parser(method, help=f"{method} on SmolLM2: perplexity, time, RSS vs llm-compressor oneshot")
+        q.add_argument("--num-samples", type=int, default=n)
+        q.add_argument("--seq-len", type=int, default=512)
+        q.add_argument("--group-size", type=int, default=64)
+        q.add_argument("--work", default=".cache/bench")
+        q.add_argument("--json", dest="json_out")
     d = sub.add_parser("depth", help="GPTQ peak RSS at 4 vs 16 layers")
     d.add_argument("--work", default=".cache/bench")
     d.add_argument("--json", dest="json_out")
     a = p.parse_args()
-    result = {"rtn": bench_rtn, "gptq": bench_gptq, "depth": bench_depth}[a.what](a)
+    result = {"rtn": bench_rtn, "gptq": bench_calibrated, "awq": bench_calibrated, "depth": bench_depth}[a.what](a)
     text = json.dumps(result, indent=2)
     print(text)
     if a.json_out:

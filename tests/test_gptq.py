@@ -35,7 +35,7 @@ def correlated_inputs(n: int, dim: int, seed: int = 0) -> torch.Tensor:
 def test_gptq_reduces_output_error_versus_rtn_on_its_calibration_inputs():
     W = torch.randn(64, 256) * 0.05
     X = correlated_inputs(2048, 256)
-    H = torch.zeros(256, 256, dtype=torch.float64)
+    H = torch.zeros(256, 256, dtype=torch.float32)
     gptq.add_batch(H, X)
     scale, _ = rtn.group_qparams(W, 64)
     codes, fallback = gptq.gptq_quantize(W, H, scale)
@@ -53,7 +53,7 @@ def test_gptq_matches_llm_compressor_quantize_weight(actorder):
 
     W = torch.randn(32, 256) * 0.05
     X = correlated_inputs(1024, 256, seed=1)
-    H = torch.zeros(256, 256, dtype=torch.float64)
+    H = torch.zeros(256, 256, dtype=torch.float32)
     gptq.add_batch(H, X)
     scale, _ = rtn.group_qparams(W, 32)
     codes, _ = gptq.gptq_quantize(W, H, scale, actorder=actorder == "static")
@@ -67,7 +67,7 @@ def test_gptq_matches_llm_compressor_quantize_weight(actorder):
 
 def test_singular_hessian_falls_back_to_rtn():
     W = torch.randn(8, 64)
-    H = -torch.eye(64, dtype=torch.float64)
+    H = -torch.eye(64, dtype=torch.float32)
     scale, _ = rtn.group_qparams(W, 32)
     codes, fallback = gptq.gptq_quantize(W, H, scale, actorder=False)
     assert fallback and torch.equal(codes, rtn.quantize_groups(W, scale))

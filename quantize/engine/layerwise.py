@@ -211,7 +211,8 @@ class LayerwiseQuantizer:
         layer.eval()
         return layer
 
-    def _run(self, layer: nn.Module, i: int, keep_outputs: bool) -> ActivationStore | None:
+    def _run(self, layer: nn.Module, i: int, keep_outputs: bool,
+             after_sample: Callable[[], None] | None = None) -> ActivationStore | None:
         out = self._store() if keep_outputs else None
         layer_type = (getattr(self.config, "layer_types", None) or [None] * (i + 1))[i]
         with torch.no_grad():
@@ -228,6 +229,8 @@ class LayerwiseQuantizer:
                         self.carry[s] = extra
                 if keep_outputs:
                     out.append(y)
+                if after_sample is not None:
+                    after_sample()
         return out
 
     def produce(self, e: Entry) -> list[torch.Tensor] | None:
@@ -267,15 +270,10 @@ class LayerwiseQuantizer:
 
     def _gptq_layer(self, layer: nn.Module, i: int, targets: dict[str, Entry], report: LayerReport) -> None:
         modules = dict(layer.named_modules())
-        hessians: dict[str, torch.Tensor] = {}
-        hooks = []
         expert_targets = {m for m in targets if ".experts." in m}
-        for m in targets:
-            if m in expert_targets:
-                continue
-            hessians[m] = torch.zeros(modules[m].in_features, modules[m].in_features, dtype=torch.float64,
-                                      device=self.device)
-            hooks.append(modules[m].register_forward_pre_hook(partial(_accumulate, hessians[m])))
+        hessians = _Hessians(self.device)
+        hooks = [modules[m].register_forward_pre_hook(partial(hessians.hook, m))
+                 for m in targets if m not in expert_targets]
         moe_inputs, routes = self._store(), []
         experts_module = next((mod for mod in modules.values() if isinstance(mod, UnfusedExperts)), None)
         if expert_targets and experts_module is not None:
@@ -283,13 +281,13 @@ class LayerwiseQuantizer:
                 moe_inputs.append(x)
                 routes.append(top_k_index.to("cpu"))
             experts_module.record = record
-        self._run(layer, i, keep_outputs=False)
+        self._run(layer, i, keep_outputs=False, after_sample=hessians.next_sample)
         for h in hooks:
             h.remove()
         if experts_module is not None:
             experts_module.record = None
         for m in sorted(set(targets) - expert_targets):
-            self._quantize_module(modules[m], targets[m], hessians.pop(m), report)
+            self._quantize_module(modules[m], targets[m], hessians.by_module[m], report)
         if expert_targets:
             self._quantize_experts(experts_module, targets, moe_inputs, routes, report)
         moe_inputs.clear()
@@ -406,8 +404,8 @@ class LayerwiseQuantizer:
                 for leaf, name in names.items():
                     self._quantize_module(getattr(m, leaf), targets[name], None, report)
                 continue
-            H_in = torch.zeros(m.gate_proj.in_features, m.gate_proj.in_features, dtype=torch.float64, device=self.device)
-            H_down = torch.zeros(m.down_proj.in_features, m.down_proj.in_features, dtype=torch.float64, device=self.device)
+            H_in = torch.zeros(m.gate_proj.in_features, m.gate_proj.in_features, device=self.device)
+            H_down = torch.zeros(m.down_proj.in_features, m.down_proj.in_features, device=self.device)
             with torch.no_grad():
                 for s in range(len(inputs)):
                     x = inputs[s]
@@ -451,6 +449,33 @@ def _apply_scales(smooth: nn.Module, balance: list[nn.Module], s: torch.Tensor) 
         b.weight.copy_((b.weight.float() * s.view(1, -1)).to(b.weight.dtype))
 
 
+class _Hessians:
+    """One Hessian per distinct input: Linears fed the very same tensor (q/k/v, gate/up) share one, so each
+    input's x^T x is computed once per sample."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.by_module: dict[str, torch.Tensor] = {}
+        self._seen: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (input kept alive, first module fed it)
+
+    def hook(self, name: str, _module: nn.Module, args: tuple) -> None:
+        x = args[0]
+        first = self._seen.get(id(x))
+        if name not in self.by_module:
+            if first is not None:
+                self.by_module[name] = self.by_module[first[1]]
+            else:
+                self.by_module[name] = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float32, device=self.device)
+        if first is None:
+            self._seen[id(x)] = (x, name)
+            gptq.add_batch(self.by_module[name], x)
+        elif self.by_module[name] is not self.by_module[first[1]]:
+            gptq.add_batch(self.by_module[name], x)
+
+    def next_sample(self) -> None:
+        self._seen.clear()
+
+
 class _AWQRecorder:
     """What AWQ needs of one calibration pass: mean |x| per channel of every mapping's input over all tokens,
     and the inputs themselves at a fixed, evenly spread subset of token positions (the grid search's data)."""
@@ -490,10 +515,6 @@ class _AWQRecorder:
 
     def routed_rows(self, expert: int) -> torch.Tensor:
         return (torch.cat(self.routes) == expert).any(dim=-1)
-
-
-def _accumulate(H: torch.Tensor, _module: nn.Module, args: tuple) -> None:
-    gptq.add_batch(H, args[0])
 
 
 def _forward_params(module: nn.Module) -> set[str]:

@@ -13,8 +13,9 @@ from quantize.quant.rtn import int_range
 
 
 def add_batch(H: torch.Tensor, x: torch.Tensor) -> int:
-    """Accumulate inputs x [..., in] into H [in, in] (float64, summed in a fixed order); returns rows added."""
-    x = x.reshape(-1, x.shape[-1]).to(torch.float64)
+    """Accumulate inputs x [..., in] into H [in, in] (float32, as llm-compressor), batch after batch in order;
+    returns rows added."""
+    x = x.reshape(-1, x.shape[-1]).to(H.dtype)
     H.addmm_(x.t(), x)
     return x.shape[0]
 
