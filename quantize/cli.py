@@ -84,16 +84,32 @@ def main() -> None:
     """
 
 
-def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_code: bool, bar: Progress):
+def _samples(folder: Path, r, trust_remote_code: bool):
+    from quantize import calib
+
+    c = r.calibration
+    return calib.load_samples(c.data, calib.load_tokenizer(folder, trust_remote_code), c.num_samples, c.seq_len, c.seed)
+
+
+def _torchrun_rank(src: str, r, dev: str, offload: str, trust_remote_code: bool) -> None:
+    """A rank > 0 under torchrun: the same plan and samples as rank 0, then its share of each layer."""
+    from quantize.engine import distributed
+
+    folder, _ = hub.resolve(src)
+    job = distributed.Job(str(folder), r.to_dict(), 1 << 62, [s[0].tolist() for s in _samples(folder, r, trust_remote_code)],
+                          [dev], offload)
+    distributed.run_rank(job, __import__("torch").device(dev))
+
+
+def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_code: bool, bar: Progress,
+                 devices: list[str]):
     """The layerwise engine hook for stream.run, with a progress task per layer."""
     import torch
 
-    from quantize import calib
     from quantize.engine.layerwise import Calibrated
 
-    tokenizer = calib.load_tokenizer(folder, trust_remote_code)
     c = r.calibration
-    samples = calib.load_samples(c.data, tokenizer, c.num_samples, c.seq_len, c.seed)
+    samples = _samples(folder, r, trust_remote_code)
     err.print(f"calibration: {len(samples)} samples, {sum(s.numel() for s in samples)} tokens from {c.data} (seed {c.seed})",
               highlight=False)
     layers = bar.add_task("layers", total=plan.model.num_hidden_layers)
@@ -103,7 +119,9 @@ def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_cod
         ex = f", {report.experts_calibrated} experts" if report.experts_calibrated else ""
         bar.update(layers, advance=1, description=f"layer {report.layer}: {report.modules} modules{ex}{fb}")
 
-    return Calibrated(plan, samples, torch.device(dev), offload, on_layer=on_layer)
+    if len(devices) > 1:
+        err.print(f"ranks: {', '.join(devices)} (routed experts split across them)", highlight=False)
+    return Calibrated(plan, samples, torch.device(dev), offload, on_layer=on_layer, devices=devices)
 
 
 def _calibration_table(stats) -> None:
@@ -211,6 +229,7 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
               help="Where calibration activations live.")
 @click.option("--trust-remote-code", is_flag=True, help="Let the checkpoint's tokenizer code run (calibration only).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--devices", help="gptq: one rank per device (cuda:0,cuda:1,... or cpu,cpu); routed experts split over them.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size, help="Largest output shard.")
 @click.option("--workers", default=lambda: min(8, os.cpu_count() or 1), show_default="CPU cores, at most 8",
               type=click.IntRange(1, 64), help="Tensors converted at once (threads); memory grows with it.")
@@ -219,8 +238,8 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion from OUT.partial.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_samples, seq_len, seed,
-            calibrate_all_experts, min_expert_tokens, offload, trust_remote_code, device, max_shard_size, workers, tp,
-            overwrite, resume, as_json):
+            calibrate_all_experts, min_expert_tokens, offload, trust_remote_code, device, devices, max_shard_size, workers,
+            tp, overwrite, resume, as_json):
     """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT.
 
     \b
@@ -242,10 +261,13 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
       quantize convert zai-org/GLM-4.6 out/glm-int4 --recipe recipes/glm-w4a16.yaml --resume
     """
     from quantize import tensor_plan
-    from quantize.engine import stream
+    from quantize.engine import distributed, stream
 
-    calibrated = None
+    calibrated, ok = None, False
+    device_list = [d.strip() for d in devices.split(",")] if devices else []
     try:
+        if device_list:
+            device = device_list[0]
         r = load_recipe(recipe_path, scheme, int(group_size), method or "rtn")
         overrides = {k: v for k, v in dict(data=calib, num_samples=num_samples, seq_len=seq_len, seed=seed,
                                            calibrate_all_experts=calibrate_all_experts,
@@ -254,6 +276,11 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         if r.method != "rtn" and not r.calibration.data:
             raise click.UsageError(f"--method {r.method} needs calibration data: --calib FILE or the recipe's calibration.data")
         dev = resolve_device(device)
+        if (device_list or distributed.launched_by_torchrun()) and r.method != "gptq":
+            raise click.UsageError("several ranks (--devices or torchrun) serve --method gptq")
+        if distributed.launched_by_torchrun() and distributed.init_torchrun(dev) != 0:
+            _torchrun_rank(src, r, dev, offload, trust_remote_code)
+            return
         out_path = Path(out_dir)
         stream.prepare_check(out_path, resume, overwrite)
         folder, info = hub.resolve(src)
@@ -272,11 +299,12 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         ) as bar:
             task = bar.add_task("converting", total=plan.src_bytes)
             if r.method != "rtn":
-                calibrated = _calibration(plan, folder, r, dev, offload, trust_remote_code, bar)
+                calibrated = _calibration(plan, folder, r, dev, offload, trust_remote_code, bar, device_list)
             result = stream.run(
                 plan, out_path, device=dev, workers=workers, resume=resume, overwrite=overwrite, source_info=info,
                 progress=lambda done, total: bar.update(task, completed=done, total=total), calibrated=calibrated,
             )
+        ok = True
     except QuantizeError as e:
         fail(e)
     except KeyboardInterrupt:
@@ -284,7 +312,9 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         sys.exit(130)
     finally:
         if calibrated is not None:
-            calibrated.close()
+            calibrated.close(ok)
+        if distributed.launched_by_torchrun():
+            distributed.finish(None)
     report = {
         "out": str(result.out),
         "seconds": round(result.seconds, 3),

@@ -147,3 +147,28 @@ def test_gptq_output_loads_in_transformers_with_every_key(kind, fixtures_dir, tm
     assert info["missing_keys"] == set() and all(k.startswith(f"model.layers.{n}.") for k in info["unexpected_keys"])
     with torch.no_grad():
         assert torch.isfinite(model(samples[0]).logits).all()
+
+
+def test_two_ranks_split_the_experts_and_give_the_bytes_of_one(fixtures_dir, tmp_path):
+    """The CPU twin of --devices cuda:0,cuda:1: two gloo ranks, experts split between them, the same bytes."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "calib.txt"
+    import pydoc_data.topics
+
+    data.write_text("\n\n".join(pydoc_data.topics.topics.values()))
+    outs = {}
+    for name, extra in (("one", []), ("two", ["--devices", "cpu,cpu"])):
+        outs[name] = tmp_path / name
+        p = subprocess.run([sys.executable, "-m", "quantize", "convert", str(fixtures_dir / "kimi-k2-fp8"), str(outs[name]),
+                            "--recipe", str(RECIPES / "kimi-k2-w4a16.yaml"), "--method", "gptq", "--calib", str(data),
+                            "--num-samples", "8", "--seq-len", "64", "--max-shard-size", "1MB", *extra],
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        if extra:
+            assert "ranks: cpu, cpu" in p.stderr
+    files = sorted(f.name for f in outs["one"].glob("*.safetensors"))
+    assert files and files == sorted(f.name for f in outs["two"].glob("*.safetensors"))
+    for f in files:
+        assert (outs["one"] / f).read_bytes() == (outs["two"] / f).read_bytes(), f

@@ -140,6 +140,9 @@ class LayerwiseQuantizer:
         self.plan, self.device, self.on_layer = plan, device, on_layer
         self.written = written  # tensors of shards finished before a resume: recomputed, not kept
         self.lock = threading.Lock()
+        dist = torch.distributed
+        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.world > 1 else 0
         self.recipe, self.model, self.ckpt = plan.recipe, plan.model, plan.ckpt
         self.dtype = plan.ckpt.dtype
         self.config = self.model.transformers_config(self.dtype)
@@ -286,6 +289,8 @@ class LayerwiseQuantizer:
             h.remove()
         if experts_module is not None:
             experts_module.record = None
+        if expert_targets and self.world > 1:
+            _broadcast_moe_inputs(moe_inputs, routes)
         for m in sorted(set(targets) - expert_targets):
             self._quantize_module(modules[m], targets[m], hessians.by_module[m], report)
         if expert_targets:
@@ -362,18 +367,21 @@ class LayerwiseQuantizer:
                     continue
                 self.results[name] = [t.detach().to("cpu", _dtype(self.entries[name].outputs[0].dtype))]
 
-    def _quantize_module(self, module: nn.Linear, e: Entry, H: torch.Tensor | None, report: LayerReport) -> None:
-        """GPTQ (or RTN when H is None) on one Linear; its weight becomes the dequantized result."""
+    def _quantize_weight(self, W: torch.Tensor, H: torch.Tensor | None):
+        """(codes, scale, zero_point, fallback) of one weight: GPTQ against H, or RTN when H is None."""
         s, p = self.recipe.scheme, self.recipe.gptq
-        W = module.weight.data
         scale, zp = rtn.group_qparams(W, s.group_size, s.num_bits, s.symmetric)
         if H is None:
-            codes, fallback = rtn.quantize_groups(W, scale, zp, s.num_bits), False
-        else:
-            codes, fallback = gptq.gptq_quantize(W, H, scale, zp, s.num_bits, p.block_size, p.dampening_frac,
-                                                 actorder=p.actorder == "static")
-            if fallback:
-                report.fallbacks.append(f"{e.role.module} (Hessian not positive definite: RTN)")
+            return rtn.quantize_groups(W, scale, zp, s.num_bits), scale, zp, False
+        codes, fallback = gptq.gptq_quantize(W, H, scale, zp, s.num_bits, p.block_size, p.dampening_frac,
+                                             actorder=p.actorder == "static")
+        return codes, scale, zp, fallback
+
+    def _commit(self, module: nn.Linear, e: Entry, codes, scale, zp, fallback: bool, report: LayerReport) -> None:
+        """Record the result and make the module compute with it (for the next layer's inputs)."""
+        W = module.weight.data
+        if fallback:
+            report.fallbacks.append(f"{e.role.module} (Hessian not positive definite: RTN)")
         Wq = rtn.dequantize_groups(codes, scale, zp).to(W.dtype)
         self.stats.error[e.role.kind].append(float((W.float() - Wq.float()).norm() / W.float().norm().clamp(min=1e-12)))
         module.weight.data = Wq
@@ -384,8 +392,13 @@ class LayerwiseQuantizer:
             out.append(pack.pack_int4(zp, packed_dim=0))
         self.results[e.tensor.name] = [t.to("cpu") for t in out]
 
+    def _quantize_module(self, module: nn.Linear, e: Entry, H: torch.Tensor | None, report: LayerReport) -> None:
+        self._commit(module, e, *self._quantize_weight(module.weight.data, H), report)
+
     def _quantize_experts(self, experts: UnfusedExperts, targets: dict[str, Entry], inputs: ActivationStore,
                           routes: list[torch.Tensor], report: LayerReport) -> None:
+        """GPTQ of the routed experts one at a time; with several ranks, expert e is computed on rank
+        e % world and its result broadcast, so every rank holds one expert's Hessians at a time."""
         cal = self.recipe.calibration
         n_experts = len(experts)
         counts = torch.zeros(n_experts, dtype=torch.long)
@@ -399,29 +412,92 @@ class LayerwiseQuantizer:
             if not names:
                 continue
             m = experts[e]
-            if counts[e] < max(cal.min_expert_tokens, 1) and not cal.calibrate_all_experts:
+            rtn_only = counts[e] < max(cal.min_expert_tokens, 1) and not cal.calibrate_all_experts
+            if rtn_only:
                 report.fallbacks.append(f"{prefix}{e} ({int(counts[e])} tokens < {cal.min_expert_tokens}: RTN)")
-                for leaf, name in names.items():
-                    self._quantize_module(getattr(m, leaf), targets[name], None, report)
+            else:
+                report.experts_calibrated += 1
+            owner = e % self.world
+            done = {}
+            if owner == self.rank:
+                done = self._one_expert(experts, e, names, inputs, routes, rtn_only)
+            for leaf, name in names.items():
+                module = getattr(m, leaf)
+                if self.world > 1:
+                    done[leaf] = _broadcast_result(done.get(leaf), module.weight.shape, self.recipe.scheme, owner,
+                                                   module.weight.dtype, self.device)
+                if self.rank == 0:
+                    self._commit(module, targets[name], *done[leaf], report)
+
+    def _one_expert(self, experts: UnfusedExperts, e: int, names: dict[str, str], inputs: ActivationStore,
+                    routes: list[torch.Tensor], rtn_only: bool) -> dict[str, tuple]:
+        cal, m = self.recipe.calibration, experts[e]
+        if rtn_only:
+            return {leaf: self._quantize_weight(getattr(m, leaf).weight.data, None) for leaf in names}
+        H_in = torch.zeros(m.gate_proj.in_features, m.gate_proj.in_features, device=self.device)
+        H_down = torch.zeros(m.down_proj.in_features, m.down_proj.in_features, device=self.device)
+        with torch.no_grad():
+            for s in range(len(inputs)):
+                x = inputs[s]
+                if not cal.calibrate_all_experts:
+                    x = x[(routes[s] == e).any(dim=-1).to(x.device)]
+                if x.shape[0] == 0:
+                    continue
+                gptq.add_batch(H_in, x)
+                gptq.add_batch(H_down, experts.act_fn(m.gate_proj(x)) * m.up_proj(x))
+        return {leaf: self._quantize_weight(getattr(m, leaf).weight.data, H_down if leaf == "down_proj" else H_in)
+                for leaf in names}
+
+    def run_worker(self) -> None:
+        """Rank > 0: take part in every layer's expert split; rank 0 does everything else and writes."""
+        for i in range(self.model.num_hidden_layers):
+            targets = self._layer_targets(i)
+            expert_targets = {m for m in targets if ".experts." in m}
+            if not expert_targets or self.recipe.method != "gptq":
                 continue
-            H_in = torch.zeros(m.gate_proj.in_features, m.gate_proj.in_features, device=self.device)
-            H_down = torch.zeros(m.down_proj.in_features, m.down_proj.in_features, device=self.device)
-            with torch.no_grad():
-                for s in range(len(inputs)):
-                    x = inputs[s]
-                    if not cal.calibrate_all_experts:
-                        x = x[(routes[s] == e).any(dim=-1).to(x.device)]
-                    if x.shape[0] == 0:
-                        continue
-                    gptq.add_batch(H_in, x)
-                    gptq.add_batch(H_down, experts.act_fn(m.gate_proj(x)) * m.up_proj(x))
-            report.experts_calibrated += 1
-            for leaf in ("gate_proj", "up_proj"):
-                if leaf in names:
-                    self._quantize_module(getattr(m, leaf), targets[names[leaf]], H_in, report)
-            if "down_proj" in names:
-                self._quantize_module(m.down_proj, targets[names["down_proj"]], H_down, report)
-            del H_in, H_down
+            layer = self._build_layer(i)
+            experts = next(mod for mod in layer.modules() if isinstance(mod, UnfusedExperts))
+            inputs, routes = self._store(), []
+            for s in range(len(self.positions)):
+                tokens = self.positions[s].shape[1]
+                inputs.append(_receive(torch.empty(tokens, self.model.hidden_size, dtype=self.dtype, device=self.device)))
+                routes.append(_receive(torch.empty(tokens, self.config.num_experts_per_tok, dtype=torch.int64,
+                                                   device=self.device)).to("cpu"))
+            self._quantize_experts(experts, targets, inputs, routes, LayerReport(layer=i, seconds=0.0, modules=0))
+            inputs.clear()
+            self.skeleton.model.layers[i] = nn.Module()
+
+
+def _receive(t: torch.Tensor) -> torch.Tensor:
+    torch.distributed.broadcast(t.view(torch.uint8) if t.dtype.itemsize > 1 and t.dtype.is_floating_point else t, src=0)
+    return t
+
+
+def _broadcast_moe_inputs(inputs: "ActivationStore", routes: list[torch.Tensor]) -> None:
+    """Rank 0 sends every sample's MoE input and routing to the other ranks (bytes, so any dtype crosses)."""
+    for s in range(len(inputs)):
+        x = inputs[s].contiguous()
+        torch.distributed.broadcast(x.view(torch.uint8), src=0)
+        torch.distributed.broadcast(routes[s].to(x.device).contiguous(), src=0)
+
+
+def _broadcast_result(result: tuple | None, shape: torch.Size, scheme, owner: int, dtype: torch.dtype,
+                      device: torch.device) -> tuple:
+    """(codes, scale, zero_point, fallback) from the rank that computed it to every rank."""
+    out_f, in_f = shape
+    n_groups = in_f // scheme.group_size
+    if result is None:
+        codes = torch.empty(out_f, in_f, dtype=torch.int8, device=device)
+        scale = torch.empty(out_f, n_groups, dtype=dtype, device=device)
+        zp = None if scheme.symmetric else torch.empty(out_f, n_groups, dtype=torch.int8, device=device)
+        flag = torch.zeros(1, dtype=torch.int8, device=device)
+    else:
+        codes, scale, zp, fallback = result
+        flag = torch.tensor([int(fallback)], dtype=torch.int8, device=device)
+    for t in (codes, scale.view(torch.uint8) if scale.dtype.itemsize > 1 else scale, zp, flag):
+        if t is not None:
+            torch.distributed.broadcast(t.contiguous(), src=owner)
+    return codes, scale, zp, bool(flag.item())
 
 
 def _expert_index(name: str) -> int | None:
@@ -524,19 +600,34 @@ def _forward_params(module: nn.Module) -> set[str]:
 
 
 class Calibrated:
-    """The `calibrated` hook of stream.run: builds the LayerwiseQuantizer once the destination is ready."""
+    """The `calibrated` hook of stream.run: builds the LayerwiseQuantizer once the destination is ready.
+
+    With `devices` of more than one entry, ranks 1.. are spawned for devices[1:] (engine/distributed.py) and
+    this process is rank 0 on devices[0]."""
 
     def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device, offload: str = "auto",
-                 on_layer: Callable[[LayerReport, int], None] | None = None):
+                 on_layer: Callable[[LayerReport, int], None] | None = None, devices: list[str] | None = None):
         self.args = (plan, samples, device, offload)
         self.on_layer = on_layer
+        self.devices = devices or []
         self.quantizer: LayerwiseQuantizer | None = None
+        self._ranks = None
 
     def __call__(self, written: set[str]) -> Callable[[Entry], list[torch.Tensor] | None]:
+        from quantize.engine import distributed
+
         plan, samples, device, offload = self.args
+        if len(self.devices) > 1 and not torch.distributed.is_initialized():
+            job = distributed.Job(str(plan.ckpt.root), plan.recipe.to_dict(), 1 << 62,
+                                  [s[0].tolist() for s in samples], self.devices, offload)
+            self._ranks = distributed.spawn(job)
         self.quantizer = LayerwiseQuantizer(plan, samples, device, offload, on_layer=self.on_layer, written=written)
         return self.quantizer.produce
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        from quantize.engine import distributed
+
         if self.quantizer is not None:
             self.quantizer.close()
+        if self._ranks is not None:
+            distributed.finish(self._ranks, ok)

@@ -1,0 +1,97 @@
+"""Several ranks, one conversion: torch.distributed is the engine (gloo on CPU, NCCL on GPUs).
+
+`convert --devices cuda:0,cuda:1,...` makes this process rank 0 and spawns one rank per further device; the same
+command also runs under `torchrun --nproc-per-node N` (RANK / WORLD_SIZE in the environment). Rank 0 reads,
+calibrates and writes; within each layer the routed experts are split over the ranks (engine/layerwise.py).
+"""
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass
+class Job:
+    """What a rank needs to rebuild rank 0's plan and samples exactly."""
+
+    src: str
+    recipe: dict
+    max_shard_size: int
+    samples: list[list[int]]
+    devices: list[str]
+    offload: str
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world: int, device: str, init_method: str | None = None) -> None:
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+
+
+def init_torchrun(device: str) -> int:
+    """Join the process group torchrun set up; returns this rank."""
+    _init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device)
+    return dist.get_rank()
+
+
+def spawn(job: Job) -> mp.ProcessContext:
+    """Start ranks 1.. for job.devices[1:] and join the group as rank 0."""
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    world = len(job.devices)
+    ctx = mp.start_processes(_worker_main, args=(world, init, job), nprocs=world - 1, join=False, start_method="spawn")
+    _init(0, world, job.devices[0], init)
+    return ctx
+
+
+def finish(ctx: mp.ProcessContext | None, ok: bool = True) -> None:
+    """Leave the group; after a failure on rank 0 the other ranks would wait forever, so they are stopped."""
+    if ctx is not None and not ok:
+        for p in ctx.processes:
+            p.terminate()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if ctx is not None:
+        for p in ctx.processes:
+            p.join()
+
+
+def _worker_main(index: int, world: int, init: str, job: Job) -> None:
+    rank = index + 1
+    _init(rank, world, job.devices[rank], init)
+    try:
+        run_rank(job, torch.device(job.devices[rank]))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_rank(job: Job, device: torch.device) -> None:
+    """A rank > 0: the same plan and samples as rank 0, then its share of every layer."""
+    from pathlib import Path
+
+    from quantize import recipe
+    from quantize.checkpoint import Checkpoint
+    from quantize.engine.layerwise import LayerwiseQuantizer
+    from quantize.tensor_plan import build
+
+    plan = build(Checkpoint(Path(job.src)), recipe.from_dict(job.recipe, "rank job"), job.max_shard_size)
+    samples = [torch.tensor([ids], dtype=torch.long) for ids in job.samples]
+    q = LayerwiseQuantizer(plan, samples, device, job.offload)
+    try:
+        q.run_worker()
+    finally:
+        q.close()
