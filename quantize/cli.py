@@ -13,12 +13,14 @@ from rich.progress import (
     BarColumn,
     DownloadColumn,
     Progress,
+    ProgressColumn,
     TaskProgressColumn,
     TextColumn,
     TimeRemainingColumn,
     TransferSpeedColumn,
 )
 from rich.table import Table
+from rich.text import Text
 
 from quantize import __version__, hub
 from quantize import recipe as recipes
@@ -29,6 +31,17 @@ err = Console(stderr=True)
 out = Console()
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$", re.IGNORECASE)
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class BytesOnly(ProgressColumn):
+    """A byte column (size, speed) shown only on tasks that count bytes; the layer task counts layers."""
+
+    def __init__(self, inner: ProgressColumn):
+        super().__init__()
+        self.inner = inner
+
+    def render(self, task) -> Text:
+        return self.inner.render(task) if task.fields.get("bytes") else Text("")
 
 
 def parse_size(_ctx, _param, value: str) -> int:
@@ -93,12 +106,14 @@ def _samples(folder: Path, r, trust_remote_code: bool):
 
 def _torchrun_rank(src: str, r, dev: str, offload: str, trust_remote_code: bool) -> None:
     """A rank > 0 under torchrun: the same plan and samples as rank 0, then its share of each layer."""
+    import torch
+
     from quantize.engine import distributed
 
     folder, _ = hub.resolve(src)
     job = distributed.Job(str(folder), r.to_dict(), 1 << 62, [s[0].tolist() for s in _samples(folder, r, trust_remote_code)],
                           [dev], offload)
-    distributed.run_rank(job, __import__("torch").device(dev))
+    distributed.run_rank(job, torch.device(dev))
 
 
 def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_code: bool, bar: Progress,
@@ -294,10 +309,10 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             highlight=False,
         )
         with Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), DownloadColumn(),
-            TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=as_json,
+            TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), BytesOnly(DownloadColumn()),
+            BytesOnly(TransferSpeedColumn()), TimeRemainingColumn(), console=err, transient=as_json,
         ) as bar:
-            task = bar.add_task("converting", total=plan.src_bytes)
+            task = bar.add_task("converting", total=plan.src_bytes, bytes=True)
             if r.method != "rtn":
                 calibrated = _calibration(plan, folder, r, dev, offload, trust_remote_code, bar, device_list)
             result = stream.run(
