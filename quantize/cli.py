@@ -128,6 +128,7 @@ def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_cod
     err.print(f"calibration: {len(samples)} samples, {sum(s.numel() for s in samples)} tokens from {c.data} (seed {c.seed})",
               highlight=False)
     layers = bar.add_task("layers", total=plan.model.num_hidden_layers)
+    experts = bar.add_task("experts", total=plan.model.n_routed_experts or 1, visible=False)
 
     def on_layer(report, total):
         fb = f", {len(report.fallbacks)} fallback(s)" if report.fallbacks else ""
@@ -136,7 +137,10 @@ def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_cod
 
     if len(devices) > 1:
         err.print(f"ranks: {', '.join(devices)} (routed experts split across them)", highlight=False)
-    return Calibrated(plan, samples, torch.device(dev), offload, on_layer=on_layer, devices=devices)
+    def on_expert(e, total):
+        bar.update(experts, completed=e + 1, total=total, visible=True, description=f"expert {e + 1}/{total}")
+
+    return Calibrated(plan, samples, torch.device(dev), offload, on_layer=on_layer, devices=devices, on_expert=on_expert)
 
 
 def _calibration_table(stats) -> None:

@@ -161,6 +161,9 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
             )
         if any(e.action == "dequantize" and e.tensor.encoding == "ct-int4" for e in entries):
             warnings.append("INT4 source weights the recipe does not target are written back as BF16 (larger)")
+    if recipe.method != "rtn" and any(e.action == "passthrough" for e in entries):
+        warnings.append(f"source weights already in this INT4 scheme are passed through as they are; {recipe.method} "
+                        "is applied only to weights that are re-quantized")
     experts_quantized = any(e.role.kind == "expert" and e.action != "keep" for e in entries)
     if experts_quantized:
         served = [n for n in TP_SIZES if moe_tp_ok(model, g, n)]

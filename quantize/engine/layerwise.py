@@ -136,8 +136,8 @@ class LayerwiseQuantizer:
 
     def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device, offload: str = "auto",
                  work_dir: Path | None = None, on_layer: Callable[[LayerReport, int], None] | None = None,
-                 written: set[str] = frozenset()):
-        self.plan, self.device, self.on_layer = plan, device, on_layer
+                 written: set[str] = frozenset(), on_expert: Callable[[int, int], None] | None = None):
+        self.plan, self.device, self.on_layer, self.on_expert = plan, device, on_layer, on_expert
         self.written = written  # tensors of shards finished before a resume: recomputed, not kept
         self.lock = threading.Lock()
         dist = torch.distributed
@@ -428,6 +428,8 @@ class LayerwiseQuantizer:
                                                    module.weight.dtype, self.device)
                 if self.rank == 0:
                     self._commit(module, targets[name], *done[leaf], report)
+            if self.on_expert is not None:
+                self.on_expert(e, n_experts)
 
     def _one_expert(self, experts: UnfusedExperts, e: int, names: dict[str, str], inputs: ActivationStore,
                     routes: list[torch.Tensor], rtn_only: bool) -> dict[str, tuple]:
@@ -606,9 +608,10 @@ class Calibrated:
     this process is rank 0 on devices[0]."""
 
     def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device, offload: str = "auto",
-                 on_layer: Callable[[LayerReport, int], None] | None = None, devices: list[str] | None = None):
+                 on_layer: Callable[[LayerReport, int], None] | None = None, devices: list[str] | None = None,
+                 on_expert: Callable[[int, int], None] | None = None):
         self.args = (plan, samples, device, offload)
-        self.on_layer = on_layer
+        self.on_layer, self.on_expert = on_layer, on_expert
         self.devices = devices or []
         self.quantizer: LayerwiseQuantizer | None = None
         self._ranks = None
@@ -621,7 +624,8 @@ class Calibrated:
             job = distributed.Job(str(plan.ckpt.root), plan.recipe.to_dict(), 1 << 62,
                                   [s[0].tolist() for s in samples], self.devices, offload)
             self._ranks = distributed.spawn(job)
-        self.quantizer = LayerwiseQuantizer(plan, samples, device, offload, on_layer=self.on_layer, written=written)
+        self.quantizer = LayerwiseQuantizer(plan, samples, device, offload, on_layer=self.on_layer, written=written,
+                                            on_expert=self.on_expert)
         return self.quantizer.produce
 
     def close(self, ok: bool = True) -> None:
