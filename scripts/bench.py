@@ -204,6 +204,10 @@ from llmcompressor import oneshot
 from llmcompressor.modifiers.gptq import GPTQModifier
 from llmcompressor.modifiers.quantization import QuantizationModifier
 from llmcompressor.modifiers.transform.awq import AWQModifier
+if not torch.cuda.is_available():
+    # llm-compressor 0.14's AWQ pins its activation cache, which needs an accelerator; on CPU pinning is moot
+    from llmcompressor.pipelines.cache import IntermediatesCache
+    IntermediatesCache.pin_memory = lambda self, *a, **k: None
 src, out, samples_file, group, method = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 ids = json.load(open(samples_file))
 ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})

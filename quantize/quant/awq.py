@@ -5,7 +5,7 @@ minimizes the error of the quantized balance layers on recorded inputs.
 
 The search space follows llm-compressor's AWQModifier (duo scaling, 20 grid points, the identity first):
 s = x_mean^r / (w_mean^(1-r) + 1e-4), normalized by sqrt(max * min). The loss is the mean squared error of
-each quantized balance layer's output on its own recorded inputs.
+each quantized balance layer's output on its own recorded inputs (computed in the weights' dtype, as served).
 """
 
 import torch
@@ -57,14 +57,16 @@ def search(
     Returns (scales [in] float32, best ratio, loss with identity scales, best loss).
     """
     w_mean = weight_mean([w for w, _ in layers], group_size)
-    refs = [x.float() @ w.float().t() for w, x in layers]
+    # outputs in the model's dtype, as the served layer computes them; errors summed in float32
+    layers = [(w, x.to(w.dtype)) for w, x in layers]
+    refs = [(x @ w.t()).float() for w, x in layers]
     best = (None, -1.0, float("inf"))
     initial = None
     for ratio, duo in grid(n_grid):
         s = candidate(x_mean, w_mean, ratio, duo)
         err, n = 0.0, 0
         for (w, x), ref in zip(layers, refs, strict=True):
-            out = x.float() @ scaled_fake_quant(w, s, group_size, symmetric).float().t()
+            out = (x @ scaled_fake_quant(w, s, group_size, symmetric).t()).float()
             err += float((out - ref).pow(2).sum())
             n += ref.numel()
         loss = err / max(n, 1)
