@@ -64,24 +64,28 @@ def gptq_quantize(
     else:
         Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
 
-    Q = torch.zeros_like(W)
+    # Work on W^T: column i of W is row i here, contiguous, and each update is one in-place rank-1 addr_.
+    WT, ST = W.t().contiguous(), s_cols.t().contiguous()
+    ZT = None if z_cols is None else z_cols.t().contiguous()
+    QT = torch.zeros_like(WT)
     for i1 in range(0, in_features, blocksize):
         i2 = min(i1 + blocksize, in_features)
-        W1 = W[:, i1:i2].clone()
-        Q1 = torch.zeros_like(W1)
+        W1 = WT[i1:i2].clone()
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            w = W1[:, i]
-            s = s_cols[:, i1 + i]
-            z = 0 if z_cols is None else z_cols[:, i1 + i]
-            q = (torch.clamp(torch.round(w / s + z), q_min, q_max) - z) * s
-            Q1[:, i] = q
+            w, s = W1[i], ST[i1 + i]
+            if ZT is None:
+                q = torch.clamp(torch.round(w / s), q_min, q_max) * s
+            else:
+                z = ZT[i1 + i]
+                q = (torch.clamp(torch.round(w / s + z), q_min, q_max) - z) * s
+            QT[i1 + i] = q
             err = (w - q) / Hinv1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
-        Q[:, i1:i2] = Q1
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+            W1[i:].addr_(Hinv1[i, i:], err, alpha=-1)
+            Err1[i] = err
+        WT[i2:] -= Hinv[i1:i2, i2:].t() @ Err1
+    Q = QT.t()
 
     if perm is not None:
         Q = Q[:, torch.argsort(perm)]
