@@ -22,7 +22,8 @@ def test_search_starts_from_identity_and_helps_on_outlier_channels():
     x = torch.randn(2048, 256, generator=g)
     x[:, :4] *= 40  # a few salient input channels, as in real activations
     w = torch.randn(128, 256, generator=g) * 0.05
-    scales, ratio, initial, best = awq.search(x.abs().mean(0), [(w, x)], group_size=64)
+    loss = awq.linear_loss([(w, x)], group_size=64)
+    scales, ratio, initial, best = awq.search(x.abs().mean(0), [w], loss, group_size=64)
     assert awq.grid()[0] == (0.0, False) and len(awq.grid()) == 20
     assert best < 0.9 * initial and ratio > 0
     assert scales.shape == (256,) and torch.isfinite(scales).all() and (scales > 0).all()

@@ -330,6 +330,25 @@ class LayerwiseQuantizer:
                     pairs.append((n, [o]))
         return [(sm, bal) for sm, bal in pairs if bal and any(b in targets for b in bal)]
 
+    def _attention_loss(self, layer: nn.Module, quantized: list[nn.Module], inputs: list[torch.Tensor]):
+        """AWQ loss at the attention block's output, over whole calibration batches."""
+        def run() -> list[torch.Tensor]:
+            outs = []
+            with torch.no_grad():
+                for b, x in enumerate(inputs):
+                    pos = self.positions[b]
+                    mask = self._mask(x, pos)
+                    if isinstance(mask, dict):
+                        mask = next(iter(mask.values()))
+                    kwargs = {"prev_topk_indices": self.carry[b]} if "prev_topk_indices" in _forward_params(
+                        layer.self_attn) else {}
+                    y = layer.self_attn(hidden_states=x, attention_mask=mask, position_ids=pos,
+                                        position_embeddings=self.rotary(x, pos), **kwargs)
+                    outs.append(y[0] if isinstance(y, tuple) else y)
+            return outs
+
+        return _swapped_loss(run, quantized, self.recipe.scheme.group_size, self.recipe.scheme.symmetric)
+
     def _awq_layer(self, layer: nn.Module, i: int, targets: dict[str, Entry], report: LayerReport) -> None:
         """Record the inputs each mapping's balance layers see, search and apply the scales, then RTN."""
         modules = dict(layer.named_modules())
@@ -356,23 +375,24 @@ class LayerwiseQuantizer:
             x_mean, X = rec.stats(smooth)
             if X is None:
                 continue
-            layers = []
-            for b in balance:
-                if b not in targets:
-                    continue
-                xb = X
-                if not isinstance(modules[smooth], nn.Linear) and (e := _expert_index(b)) is not None:
-                    xb = X[rec.routed_rows(e)]  # a norm feeds every token; an expert sees the ones routed to it
-                if xb.shape[0]:
-                    layers.append((modules[b].weight.data, xb))
-            if not layers:
-                continue
-            scales, ratio, initial, best = awq.search(x_mean.to(self.device), layers, g, s.symmetric,
-                                                     self.recipe.awq.n_grid)
+            quantized = [b for b in balance if b in targets]
+            parent = _parent(smooth, balance, modules)
+            if parent == "self_attn":
+                loss = self._attention_loss(layer, [modules[b] for b in quantized], rec.attention_inputs)
+            elif parent == "mlp":
+                loss = _module_loss(layer.mlp, [modules[b] for b in quantized], [X.to(self.device, self.dtype)[None]], g,
+                                    s.symmetric)
+            else:
+                loss = awq.linear_loss([(modules[b].weight.data, X.to(self.device)) for b in quantized], g, s.symmetric)
+            scales, ratio, initial, best = awq.search(x_mean.to(self.device), [modules[b].weight.data for b in quantized],
+                                                     loss, g, self.recipe.awq.n_grid)
             self.stats.awq.append({"layer": i, "smooth": smooth, "ratio": ratio, "loss_identity": initial,
                                    "loss_best": best})
             _apply_scales(modules[smooth], [modules[b] for b in balance], scales.to(self.device))
             modified.update([smooth, *balance])
+            if smooth == "input_layernorm":  # later attention losses must see the rescaled norm's output
+                rec.attention_inputs = [(x.float() / scales.to(x.device)).to(x.dtype) for x in rec.attention_inputs]
+        rec.attention_inputs.clear()
         for m, e in targets.items():
             self._quantize_module(modules[m], e, None, report)
         prefix = f"{self.model.prefix}model.layers.{i}."
@@ -487,6 +507,45 @@ class LayerwiseQuantizer:
             self.skeleton.model.layers[i] = nn.Module()
 
 
+def _parent(smooth: str, balance: list[str], modules: dict[str, nn.Module]) -> str | None:
+    """Where AWQ measures its loss: the attention or MLP block holding every balance layer of a norm mapping
+    (as llm-compressor does), else at the balance layers themselves (up -> down, v -> o)."""
+    if isinstance(modules[smooth], nn.Linear):
+        return None
+    for parent in ("self_attn", "mlp"):
+        if all(b.startswith(parent + ".") for b in balance):
+            return parent
+    return None
+
+
+def _swapped_loss(run: Callable[[], list[torch.Tensor]], quantized: list[nn.Module], group_size: int, symmetric: bool):
+    """Loss over scales: squared error of `run()` with each quantized module computing Q(W * s) / s."""
+    refs = [r.float() for r in run()]
+
+    def loss(s: torch.Tensor) -> float:
+        originals = [m.weight.data for m in quantized]
+        try:
+            for m, w in zip(quantized, originals, strict=True):
+                m.weight.data = awq.scaled_fake_quant(w, s, group_size, symmetric)
+            outs = run()
+        finally:
+            for m, w in zip(quantized, originals, strict=True):
+                m.weight.data = w
+        err = sum(float((o.float() - r).pow(2).sum()) for o, r in zip(outs, refs, strict=True))
+        return err / max(sum(r.numel() for r in refs), 1)
+
+    return loss
+
+
+def _module_loss(module: nn.Module, quantized: list[nn.Module], inputs: list[torch.Tensor], group_size: int,
+                 symmetric: bool):
+    def run() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [module(x) for x in inputs]
+
+    return _swapped_loss(run, quantized, group_size, symmetric)
+
+
 def _receive(t: torch.Tensor) -> torch.Tensor:
     torch.distributed.broadcast(t.view(torch.uint8) if t.dtype.itemsize > 1 and t.dtype.is_floating_point else t, src=0)
     return t
@@ -582,6 +641,7 @@ class _AWQRecorder:
         self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
         self.calls: dict[str, int] = defaultdict(int)
         self.routes: list[torch.Tensor] = []
+        self.attention_inputs: list[torch.Tensor] = []  # whole batches: attention needs whole sequences
 
     def _keep(self, name: str, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1])
@@ -593,7 +653,10 @@ class _AWQRecorder:
         self.rows[name].append(x[::stride][:per_sample].float().to("cpu"))
 
     def hook(self, name: str, _module, _args, output) -> None:
-        self._keep(name, output[0] if isinstance(output, tuple) else output)
+        out = output[0] if isinstance(output, tuple) else output
+        if name == "input_layernorm":
+            self.attention_inputs.append(out)
+        self._keep(name, out)
 
     def pre_hook(self, name: str, _module, args) -> None:
         self._keep(name, args[0])

@@ -4,9 +4,12 @@ layers) are multiplied by s, which leaves the float model unchanged; s is picked
 minimizes the error of the quantized balance layers on recorded inputs.
 
 The search space follows llm-compressor's AWQModifier (duo scaling, 20 grid points, the identity first):
-s = x_mean^r / (w_mean^(1-r) + 1e-4), normalized by sqrt(max * min). The loss is the mean squared error of
-each quantized balance layer's output on its own recorded inputs (computed in the weights' dtype, as served).
+s = x_mean^r / (w_mean^(1-r) + 1e-4), normalized by sqrt(max * min). The loss is a callable: the engine measures
+it at the output of the module that holds the balance layers (attention, MLP), `linear_loss` at each layer's own
+output.
 """
+
+from collections.abc import Callable
 
 import torch
 
@@ -45,33 +48,42 @@ def scaled_fake_quant(w: torch.Tensor, s: torch.Tensor, group_size: int, symmetr
     return (fake_quantize(ws, group_size, symmetric=symmetric).float() / s).to(w.dtype)
 
 
-def search(
-    x_mean: torch.Tensor,
-    layers: list[tuple[torch.Tensor, torch.Tensor]],
-    group_size: int,
-    symmetric: bool = True,
-    n_grid: int = 20,
-) -> tuple[torch.Tensor, float, float, float]:
-    """Best scales for balance layers [(W [out, in], X [tokens, in])] sharing one input of mean |x| `x_mean` [in].
-
-    Returns (scales [in] float32, best ratio, loss with identity scales, best loss).
-    """
-    w_mean = weight_mean([w for w, _ in layers], group_size)
-    # outputs in the model's dtype, as the served layer computes them; errors summed in float32
-    layers = [(w, x.to(w.dtype)) for w, x in layers]
+def linear_loss(layers: list[tuple[torch.Tensor, torch.Tensor]], group_size: int, symmetric: bool = True):
+    """Loss over scales: mean squared error of each balance layer's own output, [(W [out, in], X [tokens, in])]."""
+    layers = [(w, x.to(w.dtype)) for w, x in layers]  # outputs in the model's dtype, as the served layer computes them
     refs = [(x @ w.t()).float() for w, x in layers]
-    best = (None, -1.0, float("inf"))
-    initial = None
-    for ratio, duo in grid(n_grid):
-        s = candidate(x_mean, w_mean, ratio, duo)
+
+    def loss(s: torch.Tensor) -> float:
         err, n = 0.0, 0
         for (w, x), ref in zip(layers, refs, strict=True):
             out = (x @ scaled_fake_quant(w, s, group_size, symmetric).t()).float()
             err += float((out - ref).pow(2).sum())
             n += ref.numel()
-        loss = err / max(n, 1)
+        return err / max(n, 1)
+
+    return loss
+
+
+def search(
+    x_mean: torch.Tensor,
+    weights: list[torch.Tensor],
+    loss: Callable[[torch.Tensor], float],
+    group_size: int,
+    n_grid: int = 20,
+) -> tuple[torch.Tensor, float, float, float]:
+    """Best scales [in] (float32) for balance layer weights sharing one input of mean |x| `x_mean` [in].
+
+    `loss(s)` is the error with every quantized balance layer computing Q(W * s) / s. Returns (scales, best
+    ratio, loss with identity scales, best loss).
+    """
+    w_mean = weight_mean(weights, group_size)
+    best = (None, -1.0, float("inf"))
+    initial = None
+    for ratio, duo in grid(n_grid):
+        s = candidate(x_mean, w_mean, ratio, duo)
+        value = loss(s)
         if initial is None:
-            initial = loss
-        if loss < best[2]:
-            best = (s.clone(), ratio, loss)
+            initial = value
+        if value < best[2]:
+            best = (s.clone(), ratio, value)
     return best[0], best[1], initial, best[2]
