@@ -17,7 +17,6 @@ from quantize.errors import UsageError
 METHODS = ("rtn", "gptq", "awq")
 GROUP_SIZES = (32, 64, 128)
 RECIPE_KEYS = {"name", "description", "method", "scheme", "targets", "ignore", "gptq", "awq", "calibration"}
-SCHEME_KEYS = {"num_bits", "group_size", "symmetric", "strategy", "type"}
 
 
 @dataclass(frozen=True)
@@ -125,18 +124,11 @@ def matches(pattern: str, name: str) -> bool:
 
 
 def _scheme(raw: object, where: str) -> Scheme:
-    if not isinstance(raw, dict):
-        raise UsageError(f"{where}: `scheme` must be a mapping of {sorted(SCHEME_KEYS)}")
-    unknown = set(raw) - SCHEME_KEYS
-    if unknown:
-        raise UsageError(f"{where}: unknown scheme key(s) {sorted(unknown)}; allowed: {sorted(SCHEME_KEYS)}")
-    s = Scheme(**raw)
+    s = _section(Scheme, raw, "scheme", where)
     if s.num_bits != 4 or s.type != "int" or s.strategy != "group":
         raise UsageError(f"{where}: only INT4 group schemes are supported (num_bits 4, type int, strategy group)")
     if s.group_size not in GROUP_SIZES:
         raise UsageError(f"{where}: group_size {s.group_size} is not one vLLM's Marlin kernels serve; use one of {GROUP_SIZES}")
-    if not isinstance(s.symmetric, bool):
-        raise UsageError(f"{where}: symmetric must be true or false")
     return s
 
 

@@ -268,18 +268,11 @@ def glm4_moe(out: Path, fp8: bool = False, seed: int = 0) -> Path:
     return out
 
 
-def glm5(out: Path, seed: int = 0) -> Path:
-    tensors, config = _hf_checkpoint("glm_moe_dsa", seed)
+def plain(out: Path, kind: str, n_shards: int, seed: int = 0) -> Path:
+    """The checkpoint as transformers saves it (BF16), in `n_shards` shards."""
+    tensors, config = _hf_checkpoint(kind, seed)
     out.mkdir(parents=True, exist_ok=True)
-    _write_shards(out, tensors, 2)
-    _write_config(out, config)
-    return out
-
-
-def llama(out: Path, seed: int = 0) -> Path:
-    tensors, config = _hf_checkpoint("llama", seed)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_shards(out, tensors, 1)
+    _write_shards(out, tensors, n_shards)
     _write_config(out, config)
     return out
 
@@ -289,8 +282,8 @@ BUILDERS = {
     "kimi-k25-int4": kimi_k25_int4,
     "glm4-moe-bf16": glm4_moe,
     "glm4-moe-fp8": lambda out: glm4_moe(out, fp8=True),
-    "glm5-bf16": glm5,
-    "llama-bf16": llama,
+    "glm5-bf16": lambda out: plain(out, "glm_moe_dsa", 2),
+    "llama-bf16": lambda out: plain(out, "llama", 1),
 }
 
 
