@@ -135,7 +135,7 @@ class LayerwiseQuantizer:
     """
 
     def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device, offload: str = "auto",
-                 work_dir: Path | None = None, on_layer: Callable[[LayerReport, int], None] | None = None,
+                 on_layer: Callable[[LayerReport, int], None] | None = None,
                  written: set[str] = frozenset(), on_expert: Callable[[int, int], None] | None = None):
         self.plan, self.device, self.on_layer, self.on_expert = plan, device, on_layer, on_expert
         self.written = written  # tensors of shards finished before a resume: recomputed, not kept
@@ -159,7 +159,8 @@ class LayerwiseQuantizer:
         tokens = sum(s.numel() for s in samples)
         need = tokens * hidden * torch.finfo(self.dtype).bits // 8 * 3
         self.stats.offload = choose_offload(offload, device, need)
-        self._tmp = Path(tempfile.mkdtemp(prefix="quantize-act-", dir=work_dir)) if self.stats.offload == "disk" else None
+        # disk offload goes where TMPDIR points: put it on a fast disk with room for the activations
+        self._tmp = Path(tempfile.mkdtemp(prefix="quantize-act-")) if self.stats.offload == "disk" else None
         self.hidden = self._store()
         # one sample at a time: batching equal-length samples measured no faster on CPU and held more memory
         self.positions = [torch.arange(s.shape[1], device=device).unsqueeze(0) for s in samples]
@@ -623,7 +624,6 @@ class _AWQRecorder:
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = defaultdict(int)
         self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
-        self.calls: dict[str, int] = defaultdict(int)
         self.routes: list[torch.Tensor] = []
         self.attention_inputs: list[torch.Tensor] = []  # whole batches: attention needs whole sequences
 
