@@ -188,8 +188,9 @@ class LayerwiseQuantizer:
     def _mask(self, h: torch.Tensor, pos: torch.Tensor):
         from transformers.masking_utils import create_causal_mask
 
+        # a plain causal mask may be skipped (SDPA's is_causal path); GLM-5's DSA indexer needs it materialized
         mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                                  position_ids=pos, allow_is_causal_skip=False)
+                                  position_ids=pos, allow_is_causal_skip=self.model.arch.family != "glm_moe_dsa")
         layer_types = getattr(self.config, "layer_types", None)
         return {t: mask for t in set(layer_types)} if isinstance(layer_types, list) else mask
 
