@@ -25,6 +25,7 @@ import psutil
 import torch
 from torch import nn
 
+from quantize.errors import QuantizeError
 from quantize.quant import awq, gptq, pack, rtn
 from quantize.tensor_plan import Entry, Plan
 
@@ -207,8 +208,6 @@ class LayerwiseQuantizer:
         have = {n[len(prefix):]: n for n in self.ckpt.tensors if n.startswith(prefix)}
         missing = sorted(set(want) - set(have))
         if missing:
-            from quantize.errors import QuantizeError
-
             raise QuantizeError(f"layer {i}: the checkpoint lacks {prefix}{missing[0]} that the "
                                 f"{type(layer).__name__} needs")
         with torch.no_grad():
