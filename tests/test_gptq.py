@@ -172,3 +172,29 @@ def test_two_ranks_split_the_experts_and_give_the_bytes_of_one(fixtures_dir, tmp
     assert files and files == sorted(f.name for f in outs["two"].glob("*.safetensors"))
     for f in files:
         assert (outs["one"] / f).read_bytes() == (outs["two"] / f).read_bytes(), f
+
+
+def test_a_layer_that_cannot_fit_is_refused_up_front(fixtures_dir, tmp_path, monkeypatch):
+    import psutil
+
+    from quantize.engine import layerwise
+    from quantize.errors import QuantizeError
+
+    plan = build(Checkpoint(fixtures_dir / "kimi-k2-fp8"), recipe.preset("w4a16", 32, "gptq"), 2**30)
+    need = layerwise.layer_bytes(plan, torch.bfloat16)
+    assert need == max(sum(t.numel() for t in layer.values()) * 2 for layer in _layers(plan).values())
+
+    class Tight:
+        available = need - 1
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tight)
+    with pytest.raises(QuantizeError, match="one decoder layer needs"):
+        layerwise.check_layer_memory(plan, torch.device("cpu"), torch.bfloat16)
+
+
+def _layers(plan):
+    layers = {}
+    for e in plan.entries:
+        if e.role.layer is not None and e.role.kind != "mtp":
+            layers.setdefault(e.role.layer, {})[e.tensor.name] = torch.empty(e.tensor.shape, device="meta")
+    return layers

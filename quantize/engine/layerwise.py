@@ -77,6 +77,26 @@ def choose_offload(offload: str, device: torch.device, need: int) -> str:
     return "disk"
 
 
+def layer_bytes(plan: Plan, dtype: torch.dtype) -> int:
+    """The largest decoder layer's weights decoded to `dtype`: what the engine holds besides activations."""
+    per_layer: dict[int, int] = defaultdict(int)
+    for e in plan.entries:
+        if e.role.layer is not None and e.role.kind != "mtp":
+            per_layer[e.role.layer] += math.prod(e.tensor.shape) * dtype.itemsize
+    return max(per_layer.values(), default=0)
+
+
+def check_layer_memory(plan: Plan, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse up front, with the numbers, when one layer cannot fit where it must run."""
+    need = layer_bytes(plan, dtype)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+    if need > free:
+        raise QuantizeError(
+            f"one decoder layer needs {need / 2**30:.1f} GiB on {device} but {free / 2**30:.1f} GiB is free; "
+            "use a device with more memory or free some"
+        )
+
+
 class UnfusedExperts(nn.ModuleList):
     """transformers' fused `experts` (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as per-expert Linears named
     as in the checkpoint (`experts.E.{gate,up,down}_proj`), with the same forward, recording what it is sent."""
@@ -674,6 +694,7 @@ class Calibrated:
     def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device, offload: str = "auto",
                  on_layer: Callable[[LayerReport, int], None] | None = None, devices: list[str] | None = None,
                  on_expert: Callable[[int, int], None] | None = None):
+        check_layer_memory(plan, device, plan.ckpt.dtype)  # before OUT.partial exists: a refusal leaves nothing
         self.args = (plan, samples, device, offload)
         self.on_layer, self.on_expert = on_layer, on_expert
         self.devices = devices or []
