@@ -4,6 +4,7 @@
     python scripts/bench.py rtn [--size-gb 2.2] [--device cpu|cuda] [--workers N] [--work DIR] [--json FILE]
     python scripts/bench.py gptq|awq [--num-samples 128|32] [--seq-len 512] [--work DIR] [--json FILE]
     python scripts/bench.py depth [--work DIR] [--json FILE]
+    python scripts/bench.py moe-layer [--experts 384 --hidden 7168 --moe-inter 2048] [--device cuda] [--json FILE]
 
 `gptq` / `awq`: SmolLM2-135M-Instruct (rebuilt by ../shared/scripts/build_smollm2.py) quantized W4A16 group 64
 symmetric by our RTN, our layerwise GPTQ (or AWQ) and llm-compressor's `oneshot` + GPTQModifier (or AWQModifier +
@@ -22,18 +23,31 @@ the two outputs are compared byte for byte. Needs the `bench` extra (llmcompress
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-HIDDEN, MOE_INTER, INTER, VOCAB, HEADS = 2048, 1024, 4096, 32000, 16
+
+@dataclass(frozen=True)
+class Dims:
+    """Shapes of a synthetic DeepSeek/Kimi-style checkpoint; Kimi K2 itself is hidden 7168, moe_inter 2048,
+    64 heads, 384 experts."""
+
+    hidden: int = 2048
+    moe_inter: int = 1024
+    inter: int = 4096
+    vocab: int = 32000
+    heads: int = 16
+    experts: int = 64
 KIMI_IGNORE = ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
 
 
@@ -45,12 +59,13 @@ def random_fp8(shape: tuple[int, int], g: torch.Generator) -> tuple[torch.Tensor
     return raw.view(torch.float8_e4m3fn), scale
 
 
-def synthetic_kimi(out: Path, size_gb: float, n_shards: int = 4) -> Path:
-    """Write the checkpoint shard by shard (never the whole model in memory)."""
-    per_layer_experts = 3 * MOE_INTER * HIDDEN  # fp8 bytes per expert
-    n_experts = 64
-    moe_layers = max(1, round(size_gb * 1e9 / (n_experts * per_layer_experts)))
-    n_layers = moe_layers + 1
+def synthetic_kimi(out: Path, size_gb: float | None = None, n_shards: int = 4, dims: Dims = Dims(),
+                   n_layers: int | None = None) -> Path:
+    """Write the checkpoint shard by shard (never the whole model in memory): a dense first layer, then MoE
+    layers (as many as make `size_gb`, or `n_layers` in all)."""
+    H, E = dims.hidden, dims.experts
+    if n_layers is None:
+        n_layers = max(1, round(size_gb * 1e9 / (E * 3 * dims.moe_inter * H))) + 1
     g = torch.Generator().manual_seed(0)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -61,36 +76,37 @@ def synthetic_kimi(out: Path, size_gb: float, n_shards: int = 4) -> Path:
         def fp8(name, shape):
             t[p + name + ".weight"], t[p + name + ".weight_scale_inv"] = random_fp8(shape, g)
 
-        fp8("self_attn.q_a_proj", (1536, HIDDEN))
-        fp8("self_attn.q_b_proj", (HEADS * 192, 1536))
-        fp8("self_attn.kv_a_proj_with_mqa", (512 + 64, HIDDEN))
-        fp8("self_attn.kv_b_proj", (HEADS * 256, 512))
-        fp8("self_attn.o_proj", (HIDDEN, HEADS * 128))
+        fp8("self_attn.q_a_proj", (1536, H))
+        fp8("self_attn.q_b_proj", (dims.heads * 192, 1536))
+        fp8("self_attn.kv_a_proj_with_mqa", (512 + 64, H))
+        fp8("self_attn.kv_b_proj", (dims.heads * 256, 512))
+        fp8("self_attn.o_proj", (H, dims.heads * 128))
         for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm"):
-            size = {"self_attn.q_a_layernorm": 1536, "self_attn.kv_a_layernorm": 512}.get(n, HIDDEN)
+            size = {"self_attn.q_a_layernorm": 1536, "self_attn.kv_a_layernorm": 512}.get(n, H)
             t[p + n + ".weight"] = torch.ones(size, dtype=torch.bfloat16)
         if i == 0:
-            for n, shape in (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)), ("down_proj", (HIDDEN, INTER))):
+            for n, shape in (("gate_proj", (dims.inter, H)), ("up_proj", (dims.inter, H)), ("down_proj", (H, dims.inter))):
                 fp8(f"mlp.{n}", shape)
             return t
-        t[p + "mlp.gate.weight"] = (torch.randn(n_experts, HIDDEN, generator=g) * 0.02).to(torch.bfloat16)
-        t[p + "mlp.gate.e_score_correction_bias"] = torch.zeros(n_experts)
-        for kind in [f"experts.{e}" for e in range(n_experts)] + ["shared_experts"]:
-            fp8(f"mlp.{kind}.gate_proj", (MOE_INTER, HIDDEN))
-            fp8(f"mlp.{kind}.up_proj", (MOE_INTER, HIDDEN))
-            fp8(f"mlp.{kind}.down_proj", (HIDDEN, MOE_INTER))
+        t[p + "mlp.gate.weight"] = (torch.randn(E, H, generator=g) * 0.02).to(torch.bfloat16)
+        t[p + "mlp.gate.e_score_correction_bias"] = torch.zeros(E)
+        for kind in [f"experts.{e}" for e in range(E)] + ["shared_experts"]:
+            fp8(f"mlp.{kind}.gate_proj", (dims.moe_inter, H))
+            fp8(f"mlp.{kind}.up_proj", (dims.moe_inter, H))
+            fp8(f"mlp.{kind}.down_proj", (H, dims.moe_inter))
         return t
 
+    n_shards = min(n_shards, n_layers)
     files = [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]
     groups = [list(range(n_layers))[i::n_shards] for i in range(n_shards)]
     weight_map, total = {}, 0
     for s, layers in enumerate(groups):
         tensors: dict[str, torch.Tensor] = {}
         if s == 0:
-            tensors["model.embed_tokens.weight"] = (torch.randn(VOCAB, HIDDEN, generator=g) * 0.02).to(torch.bfloat16)
+            tensors["model.embed_tokens.weight"] = (torch.randn(dims.vocab, H, generator=g) * 0.02).to(torch.bfloat16)
         if s == n_shards - 1:
-            tensors["lm_head.weight"] = (torch.randn(VOCAB, HIDDEN, generator=g) * 0.02).to(torch.bfloat16)
-            tensors["model.norm.weight"] = torch.ones(HIDDEN, dtype=torch.bfloat16)
+            tensors["lm_head.weight"] = (torch.randn(dims.vocab, H, generator=g) * 0.02).to(torch.bfloat16)
+            tensors["model.norm.weight"] = torch.ones(H, dtype=torch.bfloat16)
         for i in layers:
             tensors.update(layer_tensors(i))
         save_file(tensors, out / files[s], metadata={"format": "pt"})
@@ -100,11 +116,11 @@ def synthetic_kimi(out: Path, size_gb: float, n_shards: int = 4) -> Path:
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     config = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "torch_dtype": "bfloat16",
-        "vocab_size": VOCAB, "hidden_size": HIDDEN, "intermediate_size": INTER, "moe_intermediate_size": MOE_INTER,
-        "num_hidden_layers": n_layers, "first_k_dense_replace": 1, "n_routed_experts": n_experts, "n_shared_experts": 1,
-        "num_experts_per_tok": 8, "num_attention_heads": HEADS, "num_key_value_heads": HEADS, "q_lora_rank": 1536,
-        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-        "num_nextn_predict_layers": 0,
+        "vocab_size": dims.vocab, "hidden_size": H, "intermediate_size": dims.inter, "moe_intermediate_size": dims.moe_inter,
+        "num_hidden_layers": n_layers, "first_k_dense_replace": 1, "n_routed_experts": E, "n_shared_experts": 1,
+        "num_experts_per_tok": min(8, E), "num_attention_heads": dims.heads, "num_key_value_heads": dims.heads,
+        "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0,
         "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                 "weight_block_size": [128, 128]},
     }
@@ -351,6 +367,38 @@ def bench_depth(args) -> dict:
     return result
 
 
+def bench_moe_layer(args) -> dict:
+    """GPTQ time of one Kimi-shaped MoE layer on `--device` (the GPU check), extrapolated to Kimi K2's 60."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import make_fixture
+
+    work = Path(args.work)
+    dims = Dims(hidden=args.hidden, moe_inter=args.moe_inter, inter=args.moe_inter, vocab=make_fixture.VOCAB,
+                heads=args.heads, experts=args.experts)
+    src = work / f"moe-layer-{args.experts}x{args.hidden}x{args.moe_inter}"
+    if not (src / "config.json").exists():
+        synthetic_kimi(src, dims=dims, n_layers=2, n_shards=2)
+        make_fixture.build_tokenizer(src)
+    out = work / "moe-layer-gptq"
+    shutil.rmtree(out, ignore_errors=True)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2-w4a16.yaml"
+    cmd = [sys.executable, "-m", "quantize", "convert", str(src), str(out), "--recipe", str(recipe), "--method", "gptq",
+           "--calib", str(calibration_text(work)), "--num-samples", str(args.num_samples), "--seq-len",
+           str(args.seq_len), "--device", args.device, "--json"]
+    t = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        raise SystemExit(p.stderr[-3000:])
+    report = json.loads(p.stdout)
+    per_layer = report["calibration"]["seconds_per_layer"]
+    return {
+        "device": args.device, "dims": dataclasses.asdict(dims), "num_samples": args.num_samples, "seq_len": args.seq_len,
+        "seconds_total": time.perf_counter() - t, "seconds_per_layer": per_layer,
+        "moe_layer_seconds": per_layer[1], "experts_calibrated": report["calibration"]["experts_calibrated"],
+        "kimi_k2_extrapolated_hours": (per_layer[0] + 60 * per_layer[1] * 384 / args.experts) / 3600,
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -367,11 +415,22 @@ def main() -> None:
         q.add_argument("--group-size", type=int, default=64)
         q.add_argument("--work", default=".cache/bench")
         q.add_argument("--json", dest="json_out")
+    k = sub.add_parser("moe-layer", help="GPTQ time for one Kimi-shaped MoE layer (run it on a GPU)")
+    k.add_argument("--experts", type=int, default=384)
+    k.add_argument("--hidden", type=int, default=7168)
+    k.add_argument("--moe-inter", type=int, default=2048)
+    k.add_argument("--heads", type=int, default=64)
+    k.add_argument("--num-samples", type=int, default=64)
+    k.add_argument("--seq-len", type=int, default=512)
+    k.add_argument("--device", default="cuda")
+    k.add_argument("--work", default=".cache/bench")
+    k.add_argument("--json", dest="json_out")
     d = sub.add_parser("depth", help="GPTQ peak RSS at 4 vs 16 layers")
     d.add_argument("--work", default=".cache/bench")
     d.add_argument("--json", dest="json_out")
     a = p.parse_args()
-    result = {"rtn": bench_rtn, "gptq": bench_calibrated, "awq": bench_calibrated, "depth": bench_depth}[a.what](a)
+    result = {"rtn": bench_rtn, "gptq": bench_calibrated, "awq": bench_calibrated, "depth": bench_depth,
+              "moe-layer": bench_moe_layer}[a.what](a)
     text = json.dumps(result, indent=2)
     print(text)
     if a.json_out:
