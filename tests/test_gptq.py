@@ -198,3 +198,35 @@ def _layers(plan):
         if e.role.layer is not None and e.role.kind != "mtp":
             layers.setdefault(e.role.layer, {})[e.tensor.name] = torch.empty(e.tensor.shape, device="meta")
     return layers
+
+
+def test_gptq_resume_after_a_failure_gives_the_uninterrupted_bytes(fixtures_dir, tmp_path, monkeypatch):
+    """Finished shards are kept; the resumed run recomputes earlier layers (to rebuild the activations) but
+    writes only what is missing, byte-identical to a run that never stopped."""
+    import dataclasses
+
+    data = calibration_samples(tmp_path)
+    r = recipe.load(RECIPES / "kimi-k2-w4a16.yaml")
+    r = dataclasses.replace(r, method="gptq", calibration=dataclasses.replace(r.calibration, data=str(data),
+                                                                              num_samples=6, seq_len=48))
+    src = fixtures_dir / "kimi-k2-fp8"
+    samples = calib.load_samples(str(data), calib.load_tokenizer(src), 6, 48)
+    plan = build(Checkpoint(src), r, 2**18)
+    assert len(plan.shards) >= 4
+    stream.run(plan, tmp_path / "clean", calibrated=Calibrated(plan, samples, torch.device("cpu")))
+    real, calls = stream.write_shard, []
+
+    def dies_on_fourth(*a, **k):
+        calls.append(1)
+        if len(calls) == 4:
+            raise OSError(5, "I/O error")
+        return real(*a, **k)
+
+    monkeypatch.setattr(stream, "write_shard", dies_on_fourth)
+    with pytest.raises(OSError):
+        stream.run(plan, tmp_path / "out", calibrated=Calibrated(plan, samples, torch.device("cpu")))
+    monkeypatch.setattr(stream, "write_shard", real)
+    result = stream.run(plan, tmp_path / "out", resume=True, calibrated=Calibrated(plan, samples, torch.device("cpu")))
+    assert result.resumed_shards == 3
+    for f in sorted((tmp_path / "clean").glob("*.safetensors")):
+        assert f.read_bytes() == (tmp_path / "out" / f.name).read_bytes(), f.name
