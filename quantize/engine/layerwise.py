@@ -240,13 +240,14 @@ class LayerwiseQuantizer:
              after_sample: Callable[[], None] | None = None) -> ActivationStore | None:
         out = self._store() if keep_outputs else None
         layer_type = (getattr(self.config, "layer_types", None) or [None] * (i + 1))[i]
+        takes_topk = _takes_topk(layer)
         with torch.no_grad():
             for s in range(len(self.hidden)):
                 h, pos = self.hidden[s], self.positions[s]
                 mask = self._mask(h, pos)
                 if isinstance(mask, dict):
                     mask = mask[layer_type]
-                kwargs = {"prev_topk_indices": self.carry[s]} if "prev_topk_indices" in _forward_params(layer) else {}
+                kwargs = {"prev_topk_indices": self.carry[s]} if takes_topk else {}
                 y = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(h, pos), **kwargs)
                 if isinstance(y, tuple):
                     y, extra = y[0], y[1]
@@ -337,6 +338,8 @@ class LayerwiseQuantizer:
 
     def _attention_loss(self, layer: nn.Module, quantized: list[nn.Module], inputs: list[torch.Tensor]):
         """AWQ loss at the attention block's output, over whole calibration batches."""
+        takes_topk = _takes_topk(layer.self_attn)
+
         def run() -> list[torch.Tensor]:
             outs = []
             with torch.no_grad():
@@ -345,8 +348,7 @@ class LayerwiseQuantizer:
                     mask = self._mask(x, pos)
                     if isinstance(mask, dict):
                         mask = next(iter(mask.values()))
-                    kwargs = {"prev_topk_indices": self.carry[b]} if "prev_topk_indices" in _forward_params(
-                        layer.self_attn) else {}
+                    kwargs = {"prev_topk_indices": self.carry[b]} if takes_topk else {}
                     y = layer.self_attn(hidden_states=x, attention_mask=mask, position_ids=pos,
                                         position_embeddings=self.rotary(x, pos), **kwargs)
                     outs.append(y[0] if isinstance(y, tuple) else y)
@@ -679,10 +681,11 @@ class _AWQRecorder:
         return (torch.cat(self.routes) == expert).any(dim=-1)
 
 
-def _forward_params(module: nn.Module) -> set[str]:
+def _takes_topk(module: nn.Module) -> bool:
+    """Whether the module is one of GLM-5's DSA blocks, which pass their indexer's top-k on."""
     import inspect
 
-    return set(inspect.signature(module.forward).parameters)
+    return "prev_topk_indices" in inspect.signature(module.forward).parameters
 
 
 class Calibrated:

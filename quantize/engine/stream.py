@@ -200,10 +200,10 @@ def run(
 
     advance(0)
     dev = torch.device(device)
+    produce_calibrated = None
     if calibrated is not None:
         workers = 1  # the layer forwards use every core; one producer thread overlaps them with the writer
-    written = {e.tensor.name for i, shard in enumerate(plan.shards) if i not in todo for e in shard}
-    produce_calibrated = calibrated(written) if calibrated else None
+        produce_calibrated = calibrated({e.tensor.name for i, s in enumerate(plan.shards) if i not in todo for e in s})
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     try:
