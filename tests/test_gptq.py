@@ -65,6 +65,33 @@ def test_gptq_matches_llm_compressor_quantize_weight(actorder):
     assert agree > 0.999, agree  # float summation order may flip a rare rounding tie
 
 
+def test_bf16_inputs_give_the_float32_hessian_of_the_same_numbers():
+    """The bf16 fast path must keep float32 sums and outputs: a bf16-rounded H (relative error ~4e-3) breaks
+    positive definiteness of low-rank expert Hessians."""
+    X = correlated_inputs(512, 320, seed=2).bfloat16()
+    exact = X.double().t() @ X.double()
+    H = torch.zeros(320, 320, dtype=torch.float32)
+    gptq.add_batch(H, X)
+    gptq.add_batch(H, X)
+    assert H.dtype == torch.float32
+    assert ((H.double() - 2 * exact).abs().max() / exact.abs().max()) < 2e-6
+    assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # the fast mode does not leak out
+
+
+def test_gptq_visits_columns_in_activation_order_with_their_own_groups():
+    """With static actorder every column keeps its group's scale: codes dequantize with the plain layout."""
+    W = torch.randn(48, 256) * 0.05
+    X = correlated_inputs(1024, 256, seed=3)
+    H = torch.zeros(256, 256, dtype=torch.float32)
+    gptq.add_batch(H, X)
+    scale, zp = rtn.group_qparams(W, 64, symmetric=False)
+    codes, _ = gptq.gptq_quantize(W, H, scale, zp, actorder=True)
+    assert codes.is_contiguous() and codes.shape == W.shape and codes.min() >= -8 and codes.max() <= 7
+    err_gptq = (X @ (W - rtn.dequantize_groups(codes, scale, zp)).t()).norm()
+    err_rtn = (X @ (W - rtn.dequantize_groups(rtn.quantize_groups(W, scale, zp), scale, zp)).t()).norm()
+    assert err_gptq < 0.8 * err_rtn
+
+
 def test_singular_hessian_falls_back_to_rtn():
     W = torch.randn(8, 64)
     H = -torch.eye(64, dtype=torch.float32)

@@ -9,6 +9,8 @@ inputs are recorded with the router's choice and each expert is quantized on its
 Hessian is ever held. Activations stay on the compute device, in host memory or in memory-mapped files.
 """
 
+import ctypes
+import ctypes.util
 import math
 import re
 import shutil
@@ -30,6 +32,26 @@ from quantize.quant import awq, gptq, pack, rtn
 from quantize.tensor_plan import Entry, Plan
 
 
+def _libc_trim():
+    """glibc's malloc_trim, or None elsewhere."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by torch back to the OS. glibc keeps freed mid-sized blocks in its heap, and the many
+    short-lived GPTQ buffers of varied sizes fragment it: without this, resident memory grows by ~100 MB over
+    the first layers of even a 135M model and never comes back."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 class ActivationStore:
     """One tensor per calibration sample, kept where the engine decided: gpu, cpu or disk (memory-mapped)."""
 
@@ -38,21 +60,32 @@ class ActivationStore:
         self.items: list = []
 
     def append(self, t: torch.Tensor) -> None:
+        self.items.append(None)
+        self[len(self.items) - 1] = t
+
+    def __setitem__(self, i: int, t: torch.Tensor) -> None:
+        """Store t as sample i; a layer's output replaces its input, so one copy of the activations is held."""
         if self.kind == "gpu":
-            self.items.append(t.detach())
+            self.items[i] = t.detach()
         elif self.kind == "cpu":
             cpu = t.detach().to("cpu")
-            self.items.append(cpu.pin_memory() if self.device.type == "cuda" else cpu)
+            self.items[i] = cpu.pin_memory() if self.device.type == "cuda" else cpu
+        elif self.items[i] is not None and self.items[i][1:] == (t.dtype, tuple(t.shape)):
+            self._mapped(self.items[i]).copy_(t.detach())  # same file, rewritten through its mapping
         else:
-            path = self.folder / f"{id(self)}-{len(self.items)}.bin"
+            path = self.folder / f"{id(self)}-{i}.bin"
             t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tofile(path)
-            self.items.append((path, t.dtype, tuple(t.shape)))
+            self.items[i] = (path, t.dtype, tuple(t.shape))
+
+    @staticmethod
+    def _mapped(item) -> torch.Tensor:
+        path, dtype, shape = item
+        return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
 
     def __getitem__(self, i: int) -> torch.Tensor:
         item = self.items[i]
         if self.kind == "disk":
-            path, dtype, shape = item
-            item = torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
+            item = self._mapped(item)
         return item.to(self.device, non_blocking=True)
 
     def __len__(self) -> int:
@@ -186,7 +219,9 @@ class LayerwiseQuantizer:
         # one sample at a time: batching equal-length samples measured no faster on CPU and held more memory
         self.positions = [torch.arange(s.shape[1], device=device).unsqueeze(0) for s in samples]
         self.carry: list = [None] * len(samples)  # GLM-5's DSA layers pass their top-k indices on
+        self._shared: tuple = (None, None)  # (length, layer type), (mask, rotary embeddings)
         self._embed(samples)
+        release_freed_memory()  # the tokenizer and the embedding matrix are gone by now
 
     def _store(self) -> ActivationStore:
         return ActivationStore(self.stats.offload, self.device, self._tmp)
@@ -236,28 +271,33 @@ class LayerwiseQuantizer:
         layer.eval()
         return layer
 
-    def _run(self, layer: nn.Module, i: int, keep_outputs: bool,
-             after_sample: Callable[[], None] | None = None) -> ActivationStore | None:
-        out = self._store() if keep_outputs else None
+    def _run(self, layer: nn.Module, i: int, advance: bool, after_sample: Callable[[], None] | None = None) -> None:
+        """The calibration samples through `layer`; with `advance`, each output replaces its input in place."""
         layer_type = (getattr(self.config, "layer_types", None) or [None] * (i + 1))[i]
         takes_topk = _takes_topk(layer)
         with torch.no_grad():
             for s in range(len(self.hidden)):
                 h, pos = self.hidden[s], self.positions[s]
-                mask = self._mask(h, pos)
-                if isinstance(mask, dict):
-                    mask = mask[layer_type]
+                mask, rotary = self._inputs(h, pos, layer_type)
                 kwargs = {"prev_topk_indices": self.carry[s]} if takes_topk else {}
-                y = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(h, pos), **kwargs)
+                y = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rotary, **kwargs)
                 if isinstance(y, tuple):
                     y, extra = y[0], y[1]
-                    if keep_outputs:
+                    if advance:
                         self.carry[s] = extra
-                if keep_outputs:
-                    out.append(y)
+                if advance:
+                    self.hidden[s] = y
                 if after_sample is not None:
                     after_sample()
-        return out
+
+    def _inputs(self, h: torch.Tensor, pos: torch.Tensor, layer_type: str | None):
+        """Attention mask and rotary embeddings of a sample, reused while samples keep the same length (a
+        materialized mask of 2048 tokens is 16 MB, so only the last one is kept)."""
+        key = (h.shape[1], layer_type)
+        if self._shared[0] != key:
+            mask = self._mask(h, pos)
+            self._shared = (key, (mask[layer_type] if isinstance(mask, dict) else mask, self.rotary(h, pos)))
+        return self._shared[1]
 
     def produce(self, e: Entry) -> list[torch.Tensor] | None:
         """The output tensors of a calibrated entry, or None when the entry is not calibrated here."""
@@ -285,9 +325,8 @@ class LayerwiseQuantizer:
             self._awq_layer(layer, i, targets, report)
         else:
             self._gptq_layer(layer, i, targets, report)
-        new_hidden = self._run(layer, i, keep_outputs=True)
-        self.hidden.clear()
-        self.hidden = new_hidden
+        self._run(layer, i, advance=True)
+        release_freed_memory()
         self.skeleton.model.layers[i] = nn.Module()  # drop the layer's weights
         report.seconds = time.perf_counter() - t0
         self.stats.layers.append(report)
@@ -307,7 +346,7 @@ class LayerwiseQuantizer:
                 moe_inputs.append(x)
                 routes.append(top_k_index.to("cpu"))
             experts_module.record = record
-        self._run(layer, i, keep_outputs=False, after_sample=hessians.next_sample)
+        self._run(layer, i, advance=False, after_sample=hessians.next_sample)
         for h in hooks:
             h.remove()
         if experts_module is not None:
@@ -370,7 +409,7 @@ class LayerwiseQuantizer:
                 hooks.append(modules[smooth].register_forward_hook(partial(rec.hook, smooth)))
         if experts is not None:
             experts.record = rec.record_routes
-        self._run(layer, i, keep_outputs=False)
+        self._run(layer, i, advance=False)
         for h in hooks:
             h.remove()
         if experts is not None:
@@ -438,6 +477,7 @@ class LayerwiseQuantizer:
 
     def _quantize_module(self, module: nn.Linear, e: Entry, H: torch.Tensor | None, report: LayerReport) -> None:
         self._commit(module, e, *self._quantize_weight(module.weight.data, H), report)
+        release_freed_memory()
 
     def _quantize_experts(self, experts: UnfusedExperts, targets: dict[str, Entry], inputs: ActivationStore,
                           routes: list[torch.Tensor], report: LayerReport) -> None:
