@@ -4,6 +4,7 @@
     python scripts/bench.py rtn [--size-gb 2.2] [--device cpu|cuda] [--workers N] [--work DIR] [--json FILE]
     python scripts/bench.py gptq|awq [--num-samples 128|32] [--seq-len 512] [--work DIR] [--json FILE]
     python scripts/bench.py depth [--work DIR] [--json FILE]
+    python scripts/bench.py scale [--layers 12 --hidden 2048 --inter 5632] [--work DIR] [--json FILE]
     python scripts/bench.py moe-layer [--experts 384 --hidden 7168 --moe-inter 2048] [--device cuda] [--json FILE]
 
 `gptq` / `awq`: SmolLM2-135M-Instruct (rebuilt by ../shared/scripts/build_smollm2.py) quantized W4A16 group 64
@@ -11,6 +12,9 @@ symmetric by our RTN, our layerwise GPTQ (or AWQ) and llm-compressor's `oneshot`
 QuantizationModifier) from the same calibration token windows of pydoc_data.topics (not shuffled); perplexity of
 each on /usr/share/common-licenses/GPL-3 (neither calibration nor evaluation data), wall time and peak RSS of ours
 and of oneshot in their own processes.
+
+`scale`: our GPTQ and oneshot + GPTQModifier on a synthetic ~0.6B-parameter Llama (random bf16 weights), the same
+token ids, group 128: wall time and peak RSS where the model rather than the imports sets the reference's memory.
 
 `depth`: peak RSS of our GPTQ on synthetic Llama models of 4 and 16 layers (memory must not grow with depth).
 
@@ -367,6 +371,37 @@ def bench_depth(args) -> dict:
     return result
 
 
+def bench_scale(args) -> dict:
+    """Our GPTQ vs oneshot + GPTQModifier on a synthetic dense Llama big enough that the model, not the imports,
+    sets the reference's memory: same token ids for both, group 128, wall time and peak RSS."""
+    from quantize import calib
+
+    work = Path(args.work)
+    src = work / f"llama-{args.layers}x{args.hidden}"
+    if not (src / "config.json").exists():
+        synthetic_llama(src, args.layers, hidden=args.hidden, inter=args.inter)
+    data = calibration_text(work)
+    samples = calib.load_samples(str(data), calib.load_tokenizer(src), args.num_samples, args.seq_len, seed=0)
+    samples_file = work / "scale-samples.json"
+    samples_file.write_text(json.dumps([s[0].tolist() for s in samples]))
+    outs = {name: work / f"scale-{name}" for name in ("gptq", "llmc-gptq")}
+    for d in outs.values():
+        shutil.rmtree(d, ignore_errors=True)
+    ours = measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs["gptq"]), "--scheme", "w4a16",
+                    "--group-size", "128", "--method", "gptq", "--calib", str(data), "--num-samples",
+                    str(args.num_samples), "--seq-len", str(args.seq_len), "--json"])
+    ref = measure([sys.executable, "-c", ONESHOT, str(src), str(outs["llmc-gptq"]), str(samples_file), "128", "gptq"])
+    return {
+        "model": f"synthetic Llama, {args.layers} layers, hidden {args.hidden}, intermediate {args.inter} (random bf16)",
+        "source_bytes": sum(p.stat().st_size for p in src.glob("*.safetensors")),
+        "calibration": {"num_samples": args.num_samples, "seq_len": args.seq_len,
+                        "tokens": sum(s.numel() for s in samples)},
+        "quantize_gptq": ours, "llmc_oneshot_gptq": ref,
+        "speedup_vs_oneshot": ref["seconds"] / ours["seconds"],
+        "rss_ratio_vs_oneshot": ours["peak_rss"] / ref["peak_rss"],
+    }
+
+
 def bench_moe_layer(args) -> dict:
     """GPTQ time of one Kimi-shaped MoE layer on `--device` (the GPU check), extrapolated to Kimi K2's 60."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -425,12 +460,20 @@ def main() -> None:
     k.add_argument("--device", default="cuda")
     k.add_argument("--work", default=".cache/bench")
     k.add_argument("--json", dest="json_out")
+    s = sub.add_parser("scale", help="GPTQ time and RSS vs oneshot on a synthetic ~0.6B-parameter Llama")
+    s.add_argument("--layers", type=int, default=12)
+    s.add_argument("--hidden", type=int, default=2048)
+    s.add_argument("--inter", type=int, default=5632)
+    s.add_argument("--num-samples", type=int, default=32)
+    s.add_argument("--seq-len", type=int, default=256)
+    s.add_argument("--work", default=".cache/bench")
+    s.add_argument("--json", dest="json_out")
     d = sub.add_parser("depth", help="GPTQ peak RSS at 4 vs 16 layers")
     d.add_argument("--work", default=".cache/bench")
     d.add_argument("--json", dest="json_out")
     a = p.parse_args()
     result = {"rtn": bench_rtn, "gptq": bench_calibrated, "awq": bench_calibrated, "depth": bench_depth,
-              "moe-layer": bench_moe_layer}[a.what](a)
+              "scale": bench_scale, "moe-layer": bench_moe_layer}[a.what](a)
     text = json.dumps(result, indent=2)
     print(text)
     if a.json_out:
