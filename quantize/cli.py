@@ -376,3 +376,99 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         f"{result.gb_per_s:.2f} GB/s on {result.device}; serves at TP {', '.join(map(str, result.tp_served)) or 'none'}",
         highlight=False,
     )
+
+
+@main.command("eval")
+@click.argument("candidate")
+@click.option("--baseline", help="The original checkpoint (Hub id or folder); its results are cached.")
+@click.option("--baseline-results", type=click.Path(exists=True, dir_okay=False),
+              help="Baseline results JSON instead of --baseline (a previous `quantize eval --json`, or lm-eval's).")
+@click.option("--tasks", default="gsm8k,mmlu,arc_challenge", show_default=True, help="Comma-separated.")
+@click.option("--gate", "gate_path", type=click.Path(exists=True, dir_okay=False),
+              help="Thresholds per task and metric [eval/gate.yaml: drop <= 1 point, recovery >= 0.95].")
+@click.option("--backend", type=click.Choice(["hf", "vllm", "sglang"]), default="hf", show_default=True,
+              help="lm-eval model backend; vllm and sglang need their extra installed.")
+@click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True, help="Tensor parallel size (vllm, sglang).")
+@click.option("--device", default="auto", show_default=True, help="hf backend: auto, cpu, cuda or cuda:N.")
+@click.option("--limit", type=click.IntRange(1), help="At most N samples per task (per MMLU subject): for smoke runs.")
+@click.option("--num-fewshot", type=click.IntRange(0), help="Override each task's few-shot count (default: lm-eval's).")
+@click.option("--batch-size", default="8", show_default=True, help="A number, or auto.")
+@click.option("--data-dir", type=click.Path(exists=True, file_okay=False),
+              help="Local copies of the data (layout of ../shared/data) instead of the Hub datasets.")
+@click.option("--report", type=click.Path(dir_okay=False), help="Write the Markdown table here (for a model card).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write everything as JSON here (- for stdout).")
+@click.option("--log-samples", type=click.Path(file_okay=False), help="Write each model's per-sample outputs here.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), help="Baseline results cache [~/.cache/quantize/eval].")
+@click.option("--no-cache", is_flag=True, help="Evaluate the baseline even when its results are cached.")
+@click.option("--trust-remote-code", is_flag=True, help="Let the models' own code run (off by default).")
+def eval_(candidate, baseline, baseline_results, tasks, gate_path, backend, tp, device, limit, num_fewshot, batch_size,
+          data_dir, report, json_path, log_samples, cache_dir, no_cache, trust_remote_code):
+    """Gate CANDIDATE on GSM8K, MMLU and ARC-Challenge against its baseline with lm-eval.
+
+    \b
+    Every metric in the gate file must hold: drop (baseline - candidate) at most max_drop points and
+    recovery (candidate / baseline) at least min_recovery. A task that errors, a missing metric, no
+    samples or a NaN fails the gate. The report marks deltas inside the noise of the sample size.
+    Exit codes: 0 pass, 1 gate failed, 2 the evaluation could not run (or a bad option).
+
+    \b
+    Examples:
+      quantize eval out/k2-int4 --baseline moonshotai/Kimi-K2-Instruct --backend vllm --tp 8 --report card.md
+      quantize eval out/smol-int4 --baseline ./SmolLM2 --data-dir ../shared/data --limit 20
+      quantize eval out/next-int4 --baseline-results last-eval.json --gate eval/gate.yaml
+    """
+    from quantize import gate
+
+    batch = batch_size if batch_size == "auto" or batch_size.startswith("auto:") else int(batch_size)
+    try:
+        run = gate.run_gate(
+            candidate, baseline=baseline, baseline_results=baseline_results,
+            tasks=[t.strip() for t in tasks.split(",") if t.strip()], gate_path=gate_path, backend=backend,
+            device=resolve_device(device) if backend == "hf" else device, batch_size=batch, limit=limit,
+            num_fewshot=num_fewshot, tp=tp, data_dir=Path(data_dir) if data_dir else None,
+            log_samples=Path(log_samples) if log_samples else None, cache_dir=Path(cache_dir) if cache_dir else None,
+            use_cache=not no_cache, trust_remote_code=trust_remote_code,
+            status=lambda msg: err.print(msg, highlight=False))
+    except QuantizeError as e:
+        fail(e)
+    if report:
+        Path(report).write_text(gate.markdown(run.verdicts, run.meta["baseline"] or "(none)", candidate, {
+            k: run.meta[k] for k in ("backend", "limit", "num_fewshot", "data", "lm_eval")}))
+    if json_path == "-":
+        out.print_json(json.dumps(run.to_dict()))
+    elif json_path:
+        Path(json_path).write_text(json.dumps(run.to_dict(), indent=1))
+    if json_path != "-":
+        _gate_table(run)
+    if run.baseline is None:
+        err.print("no --baseline: results only, nothing gated", highlight=False)
+        return
+    sys.exit(0 if run.passed else 1)
+
+
+def _gate_table(run) -> None:
+    from quantize import gate
+
+    if not run.verdicts:
+        t = Table(title=f"{run.meta['candidate']}", title_justify="left")
+        for col in ("task", "metric", "value", "stderr"):
+            t.add_column(col)
+        for task, row in sorted(run.candidate["results"].items()):
+            for k, v in row.items():
+                if isinstance(v, float) and "_stderr" not in k:
+                    name, _, flt = k.partition(",")
+                    se = row.get(f"{name}_stderr,{flt}")
+                    t.add_row(task, k, f"{v * 100:.2f}", f"{se * 100:.2f}" if isinstance(se, float) else "n/a")
+        out.print(t)
+        return
+    style = {"PASS": "green", "FAIL": "bold red", "ERROR": "bold red"}
+    t = Table(title=f"gate: {run.meta['candidate']} vs {run.meta['baseline']} (baseline {run.baseline_from})",
+              title_justify="left")
+    for col in gate.HEADER[:-1]:  # the reasons of failures follow the table
+        t.add_column(col, overflow="fold")
+    for r in gate.rows(run.verdicts):
+        r[9] = f"[{style[r[9]]}]{r[9]}[/]"
+        t.add_row(*r[:-1])
+    out.print(t)
+    out.print("[green]PASS[/]" if run.passed else "[bold red]FAIL[/]: " + "; ".join(
+        f"{v.task} {v.metric}: {v.reason}" for v in run.verdicts if v.verdict != "pass"))

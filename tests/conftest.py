@@ -57,3 +57,16 @@ def read_all(folder: Path) -> dict[str, torch.Tensor]:
 
 def config_of(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct rebuilt by ../shared/scripts/build_smollm2.py (about a minute, then cached in the
+    git-ignored .cache/ of the checkout)."""
+    import subprocess
+
+    out = ROOT / ".cache" / "smollm2"
+    if not (out / "model.safetensors").exists():
+        script = ROOT.parent / "shared" / "scripts" / "build_smollm2.py"
+        subprocess.run([sys.executable, str(script), str(out)], check=True)
+    return out

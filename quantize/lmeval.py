@@ -1,0 +1,250 @@
+"""Run lm-eval as a library on one checkpoint: its standard task definitions, or the very same definitions
+pointed at local copies of the data; baseline results cached by what determines them.
+
+Local data (`--data-dir DIR`, the layout of ../shared/data): `DIR/gsm8k/{train,test}.jsonl`,
+`DIR/arc_challenge/test.jsonl`, `DIR/mmlu/{dev,test}.jsonl` (with a `subject` field). The task files written
+for it `include:` lm-eval's own YAML by absolute path and override only `dataset_path`, `dataset_name` and
+`dataset_kwargs.data_files` (and, for ARC, the train/validation splits that are not there), so prompts, few-shot
+selection, filters and metrics are lm-eval's. MMLU becomes 57 subject tasks and a group `mmlu` whose `acc` is
+the size-weighted mean, as lm-eval's own group reports it.
+"""
+
+import hashlib
+import importlib.util
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+from quantize.errors import QuantizeError, UsageError
+from quantize.writer import MANIFEST_NAME
+
+TASKS = ("gsm8k", "mmlu", "arc_challenge")
+BACKENDS = ("hf", "vllm", "sglang")
+LOCAL_FILES = {
+    "gsm8k": {"train": "gsm8k/train.jsonl", "test": "gsm8k/test.jsonl"},
+    "arc_challenge": {"test": "arc_challenge/test.jsonl"},
+    "mmlu": {"dev": "mmlu/dev.jsonl", "test": "mmlu/test.jsonl"},
+}
+
+
+class EvalError(QuantizeError):
+    """The evaluation itself could not run (exit 2): no verdict can be given."""
+
+    exit_code = 2
+
+
+def _lm_eval():
+    try:
+        import lm_eval
+        import lm_eval.tasks
+    except ImportError as e:
+        raise EvalError("`quantize eval` needs lm-eval: pip install 'quantize[eval]'") from e
+    return lm_eval
+
+
+def _builtin_tasks() -> Path:
+    return Path(_lm_eval().tasks.__file__).parent
+
+
+def write_local_tasks(data_dir: Path, tasks: list[str], out: Path) -> Path:
+    """Task YAMLs for `tasks` reading `data_dir`, written into `out` (a TaskManager include_path)."""
+    data_dir = Path(data_dir).resolve()
+    builtin = _builtin_tasks()
+    out.mkdir(parents=True, exist_ok=True)
+    for task in tasks:
+        files = {split: data_dir / rel for split, rel in LOCAL_FILES[task].items()}
+        missing = [str(p) for p in files.values() if not p.is_file()]
+        if missing:
+            raise UsageError(f"--data-dir {data_dir}: {missing[0]} is missing (layout: see ../shared/README.md)")
+        if task == "gsm8k":
+            _write_task(out / "gsm8k.yaml", builtin / "gsm8k" / "gsm8k.yaml", files)
+        elif task == "arc_challenge":
+            _write_task(out / "arc_challenge.yaml", builtin / "arc" / "arc_challenge.yaml", files,
+                        training_split=None, validation_split=None)
+        else:
+            _write_mmlu(out, builtin / "mmlu" / "default", files)
+    return out
+
+
+def _write_task(path: Path, include: Path, files: dict[str, Path], **extra) -> None:
+    import yaml
+
+    if not include.is_file():
+        raise EvalError(f"lm-eval {_lm_eval().__version__} has no {include}; use lm-eval 0.4.13")
+    doc = {"include": str(include), "dataset_path": "json", "dataset_name": None,
+           "dataset_kwargs": {"data_files": {k: str(v) for k, v in files.items()}}, **extra}
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+def _write_mmlu(out: Path, builtin: Path, files: dict[str, Path]) -> None:
+    import yaml
+
+    by_subject: dict[str, dict[str, list[str]]] = {}
+    for split, path in files.items():
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    subject = json.loads(line).get("subject")
+                    if not isinstance(subject, str):
+                        raise UsageError(f"{path}: every MMLU row needs a `subject` field")
+                    by_subject.setdefault(subject, {}).setdefault(split, []).append(line if line.endswith("\n") else line + "\n")
+    names = []
+    for spec in sorted(builtin.glob("mmlu_*.yaml")):
+        subject = yaml.safe_load(spec.read_text()).get("dataset_name")
+        rows = by_subject.get(subject)
+        if not rows or "test" not in rows:
+            continue
+        folder = out / "mmlu" / subject
+        folder.mkdir(parents=True, exist_ok=True)
+        split_files = {}
+        for split, lines in rows.items():
+            (folder / f"{split}.jsonl").write_text("".join(lines))
+            split_files[split] = folder / f"{split}.jsonl"
+        _write_task(out / spec.name, spec, split_files)
+        names.append(spec.stem)
+    if not names:
+        raise UsageError(f"{files['test']}: no MMLU subject matches lm-eval's subject names")
+    group = {"group": "mmlu", "task": names, "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}],
+             "metadata": {"version": 2.0}}
+    (out / "_mmlu_local.yaml").write_text(yaml.safe_dump(group, sort_keys=False))
+
+
+LOCAL_TASKS_VERSION = 1  # bump when write_local_tasks changes what it writes
+
+
+def task_fingerprint(task: str, data_dir: Path | None) -> str:
+    """What a task's definition is: lm-eval's version (its YAML) and, for local data, the data's bytes and the
+    way our task files point at it. Absolute paths do not count, so caches survive a move."""
+    h = hashlib.sha256(f"lm_eval {_lm_eval().__version__}\ntask {task}\n".encode())
+    if data_dir is not None:
+        h.update(f"local tasks v{LOCAL_TASKS_VERSION}\n".encode())
+        for split, rel in sorted(LOCAL_FILES[task].items()):
+            h.update(f"{split} {_sha256(Path(data_dir) / rel)}\n".encode())
+    return h.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def model_identity(folder: Path, source: dict) -> str:
+    """What the model is: a Hub repo at its commit, else the content of its files (sha256 taken from our
+    manifest where it records them and the size still matches, else computed)."""
+    if source.get("repo_id") and source.get("revision"):
+        return f"hub:{source['repo_id']}@{source['revision']}"
+    known = {}
+    manifest = folder / MANIFEST_NAME
+    if manifest.is_file():
+        try:
+            known = json.loads(manifest.read_text()).get("files") or {}
+        except (OSError, ValueError):
+            known = {}
+    h = hashlib.sha256()
+    for p in sorted(q for q in folder.rglob("*") if q.is_file() and q.name != MANIFEST_NAME):
+        rel = p.relative_to(folder).as_posix()
+        rec = known.get(rel) or {}
+        digest = rec["sha256"] if rec.get("size") == p.stat().st_size and rec.get("sha256") else _sha256(p)
+        h.update(f"{rel} {digest}\n".encode())
+    return "sha256:" + h.hexdigest()
+
+
+def cache_key(identity: str, task: str, fingerprint: str, settings: dict) -> str:
+    """One baseline result per task: a later gate on a subset or superset of tasks reuses what it can."""
+    doc = {"model": identity, "task": task, "task_definition": fingerprint, "settings": settings}
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def task_part(results: dict, task: str) -> dict:
+    """The slice of an lm-eval result dict that belongs to `task` (a group brings its subtasks)."""
+    groups = results.get("group_subtasks") or {}
+    names, todo = set(), [task]
+    while todo:
+        t = todo.pop()
+        if t not in names:
+            names.add(t)
+            todo += groups.get(t, [])
+    part = {k: {n: v for n, v in (results.get(k) or {}).items() if n in names}
+            for k in ("results", "n-samples", "n-shot", "versions", "group_subtasks")}
+    part["meta"] = results.get("meta", {})
+    return part
+
+
+def merge(parts: list[dict]) -> dict:
+    out = {k: {} for k in ("results", "n-samples", "n-shot", "versions", "group_subtasks")}
+    for p in parts:
+        for k in out:
+            out[k].update(p.get(k) or {})
+    out["meta"] = parts[-1].get("meta", {}) if parts else {}
+    return out
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("QUANTIZE_CACHE", Path.home() / ".cache" / "quantize")) / "eval"
+
+
+def model_args(backend: str, folder: Path, tp: int, trust_remote_code: bool) -> str:
+    args = [f"pretrained={folder}", "dtype=auto"]
+    if backend == "vllm":
+        args.append(f"tensor_parallel_size={tp}")
+    elif backend == "sglang":
+        args.append(f"tp_size={tp}")
+    if trust_remote_code:
+        args.append("trust_remote_code=True")
+    return ",".join(args)
+
+
+def check_backend(backend: str) -> None:
+    if backend == "hf":
+        return
+    if importlib.util.find_spec(backend) is None:
+        raise EvalError(f"--backend {backend} needs {backend} installed: pip install 'quantize[{backend}]'")
+
+
+def evaluate(folder: Path, tasks: list[str], *, backend: str = "hf", device: str = "cpu", batch_size: int | str = 8,
+             limit: int | None = None, num_fewshot: int | None = None, tp: int = 1, include_path: Path | None = None,
+             log_samples: Path | None = None, trust_remote_code: bool = False) -> dict:
+    """lm-eval's results for one model: {results, n-samples, n-shot, versions, group_subtasks, meta}."""
+    lm_eval = _lm_eval()
+    check_backend(backend)
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else TaskManager()
+    t0 = time.perf_counter()
+    try:
+        out = lm_eval.simple_evaluate(
+            model=backend, model_args=model_args(backend, folder, tp, trust_remote_code), tasks=list(tasks),
+            num_fewshot=num_fewshot, batch_size=batch_size, device=device if backend == "hf" else None, limit=limit,
+            task_manager=manager, log_samples=log_samples is not None, random_seed=0, numpy_random_seed=1234,
+            torch_random_seed=1234, fewshot_random_seed=1234,
+        )
+    except Exception as e:  # lm-eval and the backends raise anything; the run cannot give a verdict
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise EvalError(f"lm-eval could not evaluate {folder}: {type(e).__name__}: {first}") from e
+    if not out or not out.get("results"):
+        raise EvalError(f"lm-eval returned no results for {folder}")
+    if log_samples is not None:
+        _write_samples(out.get("samples") or {}, log_samples)
+    keep = {k: out.get(k) for k in ("results", "n-samples", "n-shot", "versions", "group_subtasks")}
+    keep["meta"] = {"model": str(folder), "backend": backend, "lm_eval": lm_eval.__version__, "limit": limit,
+                    "num_fewshot": num_fewshot, "seconds": round(time.perf_counter() - t0, 1)}
+    return json.loads(json.dumps(keep, default=_jsonable))
+
+
+def _jsonable(o):
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    return str(o)
+
+
+def _write_samples(samples: dict, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for task, rows in samples.items():
+        with open(folder / f"{task}.jsonl", "w") as f:
+            for row in rows:
+                f.write(json.dumps(row, default=_jsonable) + "\n")
