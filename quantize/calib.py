@@ -101,8 +101,23 @@ def load_samples(spec: str, tokenizer, num_samples: int, seq_len: int, seed: int
     return samples
 
 
+def _running_ids(text: str, tokenizer, chunk_chars: int = 1 << 16) -> list[int]:
+    """Token ids of a running text, tokenized a paragraph-aligned chunk at a time: a fast tokenizer holds
+    offsets and more per token, so a whole file at once costs memory far beyond its size."""
+    ids: list[int] = []
+    start = 0
+    while start < len(text):
+        end = min(len(text), start + chunk_chars)
+        if end < len(text):
+            cut = text.rfind("\n\n", start, end)
+            end = cut + 2 if cut > start else end
+        ids += tokenizer(text[start:end], add_special_tokens=False)["input_ids"]
+        start = end
+    return ids
+
+
 def _windows(text: str, tokenizer, num_samples: int, seq_len: int, seed: int, spec: str) -> list[torch.Tensor]:
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = _running_ids(text, tokenizer)
     n = len(ids) // seq_len
     if n < num_samples:
         raise UsageError(f"--calib {spec}: {len(ids)} tokens make {n} windows of {seq_len}, {num_samples} asked for")

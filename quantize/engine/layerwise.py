@@ -353,8 +353,12 @@ class LayerwiseQuantizer:
             experts_module.record = None
         if expert_targets and self.world > 1:
             _broadcast_moe_inputs(moe_inputs, routes)
-        for m in sorted(set(targets) - expert_targets):
-            self._quantize_module(modules[m], targets[m], hessians.by_module[m], report)
+        dense = sorted(set(targets) - expert_targets)
+        for k, m in enumerate(dense):
+            H = hessians.by_module[m]  # shared by the Linears fed the same input: the last of them consumes it
+            last = all(hessians.by_module[later] is not H for later in dense[k + 1:])
+            self._quantize_module(modules[m], targets[m], H, report, consume=last)
+        hessians.by_module.clear()
         if expert_targets:
             self._quantize_experts(experts_module, targets, moe_inputs, routes, report)
         moe_inputs.clear()
@@ -450,14 +454,15 @@ class LayerwiseQuantizer:
                     continue
                 self.results[name] = [t.detach().to("cpu", _dtype(self.entries[name].outputs[0].dtype))]
 
-    def _quantize_weight(self, W: torch.Tensor, H: torch.Tensor | None):
-        """(codes, scale, zero_point, fallback) of one weight: GPTQ against H, or RTN when H is None."""
+    def _quantize_weight(self, W: torch.Tensor, H: torch.Tensor | None, consume: bool = False):
+        """(codes, scale, zero_point, fallback) of one weight: GPTQ against H, or RTN when H is None.
+        consume: this is H's last use, and GPTQ may free it as soon as it has its working copy."""
         s, p = self.recipe.scheme, self.recipe.gptq
         scale, zp = rtn.group_qparams(W, s.group_size, s.num_bits, s.symmetric)
         if H is None:
             return rtn.quantize_groups(W, scale, zp, s.num_bits), scale, zp, False
         codes, fallback = gptq.gptq_quantize(W, H, scale, zp, s.num_bits, p.block_size, p.dampening_frac,
-                                             actorder=p.actorder == "static")
+                                             actorder=p.actorder == "static", consume=consume)
         return codes, scale, zp, fallback
 
     def _commit(self, module: nn.Linear, e: Entry, codes, scale, zp, fallback: bool, report: LayerReport) -> None:
@@ -475,8 +480,9 @@ class LayerwiseQuantizer:
             out.append(pack.pack_int4(zp, packed_dim=0))
         self.results[e.tensor.name] = [t.to("cpu") for t in out]
 
-    def _quantize_module(self, module: nn.Linear, e: Entry, H: torch.Tensor | None, report: LayerReport) -> None:
-        self._commit(module, e, *self._quantize_weight(module.weight.data, H), report)
+    def _quantize_module(self, module: nn.Linear, e: Entry, H: torch.Tensor | None, report: LayerReport,
+                         consume: bool = False) -> None:
+        self._commit(module, e, *self._quantize_weight(module.weight.data, H, consume), report)
         release_freed_memory()
 
     def _quantize_experts(self, experts: UnfusedExperts, targets: dict[str, Entry], inputs: ActivationStore,
@@ -531,7 +537,9 @@ class LayerwiseQuantizer:
                     continue
                 gptq.add_batch(H_in, x)
                 gptq.add_batch(H_down, experts.act_fn(m.gate_proj(x)) * m.up_proj(x))
-        return {leaf: self._quantize_weight(getattr(m, leaf).weight.data, H_down if leaf == "down_proj" else H_in)
+        last_in = [leaf for leaf in names if leaf != "down_proj"][-1:]
+        return {leaf: self._quantize_weight(getattr(m, leaf).weight.data, H_down if leaf == "down_proj" else H_in,
+                                            consume=leaf == "down_proj" or [leaf] == last_in)
                 for leaf in names}
 
     def run_worker(self) -> None:

@@ -54,45 +54,51 @@ def gptq_quantize(
     blocksize: int = 128,
     percdamp: float = 0.01,
     actorder: bool = True,
+    consume: bool = False,
 ) -> tuple[torch.Tensor, bool]:
     """Integer codes [out, in] int8 for W [out, in] under fixed per-group scale [out, in/group].
 
     H: sum of x x^T over the calibration inputs, [in, in]. Returns (codes, fallback): fallback is True when
     H was not positive definite even after dampening, in which case the codes are plain RTN.
+    consume: the caller's last use of H; its storage is released as soon as the working copy exists.
     """
     out_features, in_features = W.shape
     assert H.shape == (in_features, in_features), f"H {tuple(H.shape)} for W {tuple(W.shape)}"
     n_groups = scale.shape[1]
     group_size = in_features // n_groups
     q_min, q_max = int_range(num_bits)
-    # Memory: H is the big one ([in, in] float32: 205 MB for a 7168-wide input); at most three of its size are
-    # alive at once (H, L, Hinv), and nothing [out, in] is held in float32 but the working copy of W.
-    H = H.to(torch.float32, copy=True)
+    # Memory: H is the big one ([in, in] float32: 205 MB for a 7168-wide input). At most two of its size are
+    # alive past this copy (L, then its inverse), three while the caller keeps its own (a shared Hessian).
+    perm = torch.argsort(torch.diag(H), descending=True) if actorder else None
+    # one gather makes the permuted working copy (no intermediate); without actorder, a plain copy
+    work = H[perm.unsqueeze(1), perm.unsqueeze(0)].float() if perm is not None else H.to(torch.float32, copy=True)
+    if consume:
+        H.set_()
+    H = work
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
 
     # Work on W^T: column i of W is row i here, contiguous, and each update is one in-place rank-1 addr_.
     WT = torch.empty(in_features, out_features, dtype=torch.float32, device=W.device).copy_(W.t())  # row-major
-    WT[dead] = 0
     group_of = torch.arange(in_features, device=W.device) // group_size
-    perm = None
-    if actorder:
-        perm = torch.argsort(torch.diag(H), descending=True)
-        H = H.index_select(0, perm).index_select(1, perm)
+    if perm is not None:
         WT, group_of = WT[perm], group_of[perm]
+    WT[dead] = 0
     group_of = group_of.tolist()
     ST = scale.t().to(torch.float32)  # [n_groups, out]: row g holds group g's scales
     ZT = None if zero_point is None else zero_point.t().to(torch.float32)
 
     H.diagonal().add_(percdamp * torch.mean(torch.diag(H)))
-    L, info = torch.linalg.cholesky_ex(H)
+    L, info = torch.linalg.cholesky_ex(H, out=(H, torch.empty((), dtype=torch.int32, device=H.device)))  # in place
     del H
     fallback = bool(info.item() != 0)
     if fallback:
+        del L
         Hinv = torch.eye(in_features, dtype=torch.float32, device=W.device)
     else:
-        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
-    del L
+        Hinv = torch.cholesky_inverse(L)
+        del L
+        Hinv = torch.linalg.cholesky(Hinv, upper=True, out=Hinv)
 
     codes_t = torch.empty(in_features, out_features, dtype=torch.int8, device=W.device)
     for i1 in range(0, in_features, blocksize):
