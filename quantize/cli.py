@@ -378,6 +378,55 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
     )
 
 
+@main.command()
+@click.argument("out_dir", metavar="OUT")
+@click.option("--source", help="The source checkpoint (Hub id or folder), for --deep.")
+@click.option("--deep", is_flag=True, help="Dequantize every packed weight and compare it with the source's.")
+@click.option("--workers", default=lambda: min(8, os.cpu_count() or 1), show_default="CPU cores, at most 8",
+              type=click.IntRange(1, 64), help="Files hashed at once.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+def verify(out_dir, source, deep, workers, as_json):
+    """Check that OUT is exactly what `convert` wrote, and well-formed.
+
+    \b
+    Recomputes every file's sha256 and every tensor's crc32 against quantize-manifest.json (one streamed
+    pass per file, files in parallel), checks index vs shards vs manifest, that every packed module has its
+    scale and shape sized as config.json's scheme says, and that no scale is NaN, Inf or zero. --deep
+    --source SRC also dequantizes each packed weight against the source: RTN within half a scale step,
+    GPTQ / AWQ within a relative error of 0.5.
+    Exit codes: 0 clean, 1 findings (one line each: file, tensor, what is wrong), 2 bad request.
+
+    \b
+    Examples:
+      quantize verify out/k2-int4
+      quantize verify out/k2-int4 --deep --source moonshotai/Kimi-K2-Instruct --json
+    """
+    from quantize import verify as verifier
+
+    folder = Path(out_dir)
+    if not folder.is_dir():
+        fail(QuantizeError(f"{out_dir} is not a folder"))
+    try:
+        src = hub.resolve(source)[0] if source else None
+        with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), TimeRemainingColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("hashing", total=None)
+            report = verifier.verify(folder, source=src, deep=deep, workers=workers,
+                                     progress=lambda done, total: bar.update(task, completed=done, total=total))
+    except QuantizeError as e:
+        fail(e)
+    if as_json:
+        out.print_json(json.dumps(report.to_dict()))
+    else:
+        for f in report.findings:
+            out.print(f.line(), highlight=False, soft_wrap=True)
+        summary = (f"{report.files} files, {report.tensors} tensors, {report.quantized_modules} packed modules, "
+                   f"{report.bytes_hashed / 2**30:.2f} GiB hashed" + (f", {report.deep_checked} compared with the source"
+                                                                     if deep else ""))
+        out.print(f"[green]clean[/]: {summary}" if report.clean else f"[bold red]{len(report.findings)} finding(s)[/]: {summary}")
+    sys.exit(0 if report.clean else 1)
+
+
 @main.command("eval")
 @click.argument("candidate")
 @click.option("--baseline", help="The original checkpoint (Hub id or folder); its results are cached.")

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ class ShardWriter:
         self.path, self.specs, self._next = path, specs, 0
         self.tmp = path.with_name(path.name + ".tmp")
         self.sha = hashlib.sha256()
+        self.tensors: dict[str, dict] = {}  # name -> dtype, shape, crc32 of its bytes (for the manifest)
         try:
             self.f = open(self.tmp, "wb")
             self._write(encode_header(specs))
@@ -57,6 +59,8 @@ class ShardWriter:
             )
         self._next += 1
         data = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy()
+        self.tensors[name] = {"file": self.path.name, "dtype": spec.dtype, "shape": list(spec.shape),
+                              "crc32": zlib.crc32(data)}
         try:
             self._write(memoryview(data))
         except OSError as e:

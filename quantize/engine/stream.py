@@ -20,11 +20,12 @@ import torch
 
 from quantize import __version__
 from quantize.checkpoint import INDEX_NAME
-from quantize.engine.state import State, fingerprint
+from quantize.engine.state import STATE_NAME, State, fingerprint
 from quantize.errors import QuantizeError, UsageError
 from quantize.quant import pack, rtn
 from quantize.safetensors_file import read_header, read_tensor
 from quantize.tensor_plan import Entry, Plan
+from quantize.verify import verify
 from quantize.writer import (
     MANIFEST_NAME,
     ShardWriter,
@@ -89,7 +90,7 @@ def _in_order(pool: ThreadPoolExecutor, fn: Callable, items: list, depth: int) -
 def write_shard(
     plan: Plan, index: int, path: Path, device: torch.device, advance: Callable[[int], None],
     pool: ThreadPoolExecutor | None = None, depth: int = 1, calibrated: Callable | None = None,
-) -> tuple[int, str]:
+) -> tuple[int, str, dict]:
     """Write output shard `index`; with a pool, tensors are produced `depth` at a time while this thread writes.
     `calibrated(entry)` gives the tensors of entries a calibrated engine quantized (None for the others)."""
     entries = plan.shards[index]
@@ -105,7 +106,7 @@ def write_shard(
             for spec, tensor in zip(e.outputs, tensors, strict=True):
                 writer.write(spec.name, tensor)
             advance(e.tensor.stored_bytes)
-        return writer.close()
+        return (*writer.close(), writer.tensors)
     except BaseException:
         writer.abort()
         raise
@@ -199,6 +200,7 @@ def run(
                 progress(done[0], total)
 
     advance(0)
+    source_hashes = _hash_source_in_background(plan.ckpt.root, source_info or {})
     dev = torch.device(device)
     produce_calibrated = None
     if calibrated is not None:
@@ -210,9 +212,9 @@ def run(
         with ThreadPoolExecutor(max_workers=workers) as pool:
             for i in todo:
                 # one more in flight than workers, so that a tensor is ready whenever the writer is
-                size, sha = write_shard(plan, i, partial / names[i], dev, advance, pool, depth=workers + 1,
-                                        calibrated=produce_calibrated)
-                state.mark(names[i], size=size, sha256=sha)
+                size, sha, tensors = write_shard(plan, i, partial / names[i], dev, advance, pool, depth=workers + 1,
+                                                 calibrated=produce_calibrated)
+                state.mark(names[i], size=size, sha256=sha, tensors=tensors)
     finally:
         torch.set_num_threads(threads)
 
@@ -220,8 +222,7 @@ def run(
     write_index(partial, weight_map, plan.out_bytes)
     write_json(partial / "config.json", output_config(plan.ckpt.config, plan.quantization_config()))
     copied = copy_side_files(plan.ckpt.root, partial)
-    verify_output(partial, plan, weight_map)
-    files = {n: state.done[n] for n in names}
+    files = {n: {"size": state.done[n]["size"], "sha256": state.done[n]["sha256"]} for n in names}
     for name in ["config.json", INDEX_NAME, *copied]:
         files[name] = {"size": (partial / name).stat().st_size, "sha256": sha256_file(partial / name)}
     write_json(
@@ -229,12 +230,20 @@ def run(
         {
             "tool": "quantize",
             "tool_version": __version__,
-            "source": source_info or {"path": str(plan.ckpt.root)},
+            "libraries": library_versions(),
+            "source": (source_info or {"path": str(plan.ckpt.root)}) | {"files": source_hashes.result()},
             "recipe": plan.recipe.to_dict(),
             "files": files,
+            "tensors": {t: rec for n in names for t, rec in sorted(state.done[n].get("tensors", {}).items())},
         },
     )
-    (partial / "state.json").unlink()
+    # the fast verify, before the output takes its final name: structure, scheme, scales (hashes were taken
+    # from the bytes as they were written)
+    report = verify(partial, rehash=False, unlisted_ok=frozenset({STATE_NAME}))
+    if not report.clean:
+        lines = "; ".join(f.line() for f in report.findings[:3])
+        raise QuantizeError(f"output check failed, {len(report.findings)} finding(s): {lines}; kept in {partial}")
+    (partial / STATE_NAME).unlink()
     finalize(partial, out, overwrite)
     return Result(
         out=out,
@@ -249,6 +258,35 @@ def run(
         tp_served=plan.tp_served,
         warnings=plan.warnings,
     )
+
+
+def library_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for dist in ("torch", "safetensors", "compressed-tensors", "transformers", "huggingface_hub"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _hash_source_in_background(root: Path, source_info: dict) -> Future:
+    """sha256 of each source file, for the manifest. A Hub snapshot's files link to blobs named by their
+    sha256 (LFS), so those cost nothing; other files are hashed in a thread while the conversion runs."""
+    def run() -> dict[str, dict]:
+        out = {}
+        for p in sorted(q for q in root.iterdir() if q.is_file() and not q.name.startswith(".")):
+            blob = p.resolve().name if p.is_symlink() else ""
+            sha = blob if len(blob) == 64 and all(c in "0123456789abcdef" for c in blob) else sha256_file(p)
+            out[p.name] = {"size": p.stat().st_size, "sha256": sha}
+        return out
+
+    pool = ThreadPoolExecutor(max_workers=1)
+    future = pool.submit(run)
+    pool.shutdown(wait=False)
+    return future
 
 
 def _still_good(path: Path, info: dict | None) -> bool:
