@@ -109,8 +109,9 @@ class Checkpoint:
     Opening reads config.json, the index and every shard header (validated); no tensor data is read.
     """
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, allow_nonfinite: bool = False):
         self.root = Path(root)
+        self.allow_nonfinite = allow_nonfinite  # NaN / Inf weights are refused unless the user says otherwise
         if not self.root.is_dir():
             raise QuantizeError(f"{self.root}: not a folder")
         config_path = self.root / "config.json"
@@ -140,8 +141,12 @@ class Checkpoint:
         if index.is_file():
             try:
                 self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as e:
                 raise QuantizeError(f"{INDEX_NAME}: unreadable ({e}); download it again") from e
+            if not isinstance(self.weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) and v for k, v in self.weight_map.items()
+            ):
+                raise QuantizeError(f"{INDEX_NAME}: weight_map must map tensor names to shard file names; download it again")
             names = sorted(set(self.weight_map.values()))
             paths = [_inside(self.root, n) for n in names]
             for p in paths:
@@ -217,7 +222,20 @@ class Checkpoint:
     def decode(self, t: LogicalTensor, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor as a float (for quantized encodings: dequantized to the model dtype) on `device`."""
         parts = {k: v.to(device) for k, v in self.read_parts(t).items()}
-        return decode_parts(t, parts, self.format, dtype or self.dtype)
+        w = decode_parts(t, parts, self.format, dtype or self.dtype)
+        self.check_finite(t, w)
+        if self.allow_nonfinite and w.is_floating_point():
+            w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)  # what gets quantized keeps finite scales
+        return w
+
+    def check_finite(self, t: LogicalTensor, w: torch.Tensor) -> None:
+        """A NaN or Inf in a source weight would become a NaN scale, or a broken model that loads fine."""
+        if self.allow_nonfinite or not w.is_floating_point():
+            return
+        bad = int((~torch.isfinite(w)).sum())
+        if bad:
+            raise QuantizeError(f"{t.main.path.name}: tensor {t.name} holds {bad} NaN/Inf value(s); the source is "
+                                "broken (pass --allow-nonfinite to convert it anyway)")
 
 
 def decode_parts(t: LogicalTensor, parts: dict[str, torch.Tensor], fmt: SourceFormat, dtype: torch.dtype) -> torch.Tensor:

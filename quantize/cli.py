@@ -255,10 +255,13 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--tp", type=click.IntRange(1, 64), help="Refuse unless the output serves at this tensor-parallel size.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT (and any interrupted OUT.partial).")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion from OUT.partial.")
+@click.option("--allow-nonfinite", is_flag=True,
+              help="Convert a source whose weights hold NaN or Inf (refused by default): those values become 0 in what "
+              "is quantized; kept tensors are copied as they are.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_samples, seq_len, seed,
             calibrate_all_experts, min_expert_tokens, offload, trust_remote_code, device, devices, max_shard_size, workers,
-            tp, overwrite, resume, as_json):
+            tp, overwrite, resume, allow_nonfinite, as_json):
     """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT.
 
     \b
@@ -303,7 +306,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         out_path = Path(out_dir)
         stream.prepare_check(out_path, resume, overwrite)
         folder, info = hub.resolve(src)
-        plan = tensor_plan.build(Checkpoint(folder), r, max_shard_size, tp=tp, workers=workers, device=dev)
+        plan = tensor_plan.build(Checkpoint(folder, allow_nonfinite), r, max_shard_size, tp=tp, workers=workers, device=dev)
         for w in plan.warnings:
             err.print(f"[yellow]warning:[/] {w}", highlight=False)
         err.print(

@@ -10,6 +10,10 @@ class QuantizeError(Exception):
 
     exit_code = 1
 
+    def __str__(self) -> str:
+        # one line by construction: names read from a hostile file may hold newlines or control characters
+        return "".join(c if c.isprintable() else repr(c)[1:-1] for c in super().__str__())
+
 
 class UsageError(QuantizeError):
     """The request cannot be carried out as asked (option, recipe, destination)."""

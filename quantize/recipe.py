@@ -29,7 +29,10 @@ class GPTQParams:
 @dataclass(frozen=True)
 class AWQParams:
     n_grid: int = 20
-    max_tokens: int = 4096  # token positions the grid search evaluates, spread evenly over the samples
+    # token positions the grid search evaluates, spread evenly over the samples. Measured on SmolLM2 (32 x 512
+    # tokens): all 16384 give perplexity within 0.5% of llm-compressor's AWQ, a 4096 subsample 2.3% worse.
+    # Each recorded input costs max_tokens x hidden x 2 bytes of host memory (0.9 GB at Kimi's 7168).
+    max_tokens: int = 65536
 
 
 @dataclass(frozen=True)

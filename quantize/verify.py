@@ -248,7 +248,7 @@ def _deep(headers: dict[str, dict[str, TensorInfo]], source: Path | None, manife
         find(Finding("-", None, "--deep needs --source SRC to compare against"))
         return
     try:
-        ckpt = Checkpoint(Path(source))
+        ckpt = Checkpoint(Path(source), allow_nonfinite=True)  # a NaN in the source shows up as a finding
     except QuantizeError as e:
         find(Finding(str(source), None, f"cannot read the source ({e})"))
         return

@@ -200,3 +200,31 @@ def test_cli_convert_json_and_inspect_json(fixtures_dir, tmp_path):
     assert result.exit_code == 0, result.stderr
     s = json.loads(result.stdout)
     assert s["architecture"] == "glm_moe_dsa" and s["parameters_by_kind"]["indexer"] > 0
+
+
+@pytest.mark.parametrize("tensor", ["model.layers.1.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight"])
+def test_nonfinite_weights_are_refused_unless_allowed(fixtures_dir, tmp_path, tensor):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(fixtures_dir / "llama-bf16", src)
+    shard = src / index_of(src)["weight_map"][tensor]
+    tensors = load_file(shard)
+    tensors[tensor] = tensors[tensor].clone()
+    tensors[tensor].view(-1)[7] = float("nan")
+    tensors[tensor].view(-1)[9] = float("inf")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    out = tmp_path / "out"
+    code, err = run_cli("convert", src, out, "--recipe", RECIPES / "dense-w4a16.yaml")
+    assert code == 1, err
+    line = err.splitlines()[-1]  # found mid-run: the progress lines come first, the error is one line
+    assert line.startswith("error:") and all(w in line for w in (shard.name, tensor, "2 NaN/Inf", "--allow-nonfinite"))
+    assert not out.exists()
+    code, err = run_cli("convert", src, out, "--recipe", RECIPES / "dense-w4a16.yaml", "--allow-nonfinite", "--overwrite")
+    assert code == 0, err
+    written = load_file(next(out.glob("*.safetensors")))
+    if tensor.endswith("up_proj.weight"):  # quantized: the values became 0, the scales stay finite
+        assert torch.isfinite(written[tensor.replace(".weight", ".weight_scale")].float()).all()
+    else:  # kept: copied as it is
+        assert torch.isnan(written[tensor].float()).sum() == 1 and torch.isinf(written[tensor].float()).sum() == 1

@@ -24,6 +24,7 @@ class Job:
     samples: list[list[int]]
     devices: list[str]
     offload: str
+    allow_nonfinite: bool = False
 
 
 def _free_port() -> int:
@@ -88,7 +89,7 @@ def run_rank(job: Job, device: torch.device) -> None:
     from quantize.engine.layerwise import LayerwiseQuantizer
     from quantize.tensor_plan import build
 
-    plan = build(Checkpoint(Path(job.src)), recipe.from_dict(job.recipe, "rank job"), job.max_shard_size)
+    plan = build(Checkpoint(Path(job.src), job.allow_nonfinite), recipe.from_dict(job.recipe, "rank job"), job.max_shard_size)
     samples = [torch.tensor([ids], dtype=torch.long) for ids in job.samples]
     q = LayerwiseQuantizer(plan, samples, device, job.offload)
     try:

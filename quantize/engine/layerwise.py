@@ -704,7 +704,7 @@ class _AWQRecorder:
         self.counts[name] += x.shape[0]
         per_sample = max(1, self.max_rows // self.n_samples)
         stride = max(1, x.shape[0] // per_sample)
-        self.rows[name].append(x[::stride][:per_sample].float().to("cpu"))
+        self.rows[name].append(x[::stride][:per_sample].to("cpu", copy=True))  # model dtype, as the layer sees it
 
     def hook(self, name: str, _module, _args, output) -> None:
         out = output[0] if isinstance(output, tuple) else output
@@ -758,7 +758,7 @@ class Calibrated:
         plan, samples, device, offload = self.args
         if len(self.devices) > 1 and not torch.distributed.is_initialized():
             job = distributed.Job(str(plan.ckpt.root), plan.recipe.to_dict(), 1 << 62,
-                                  [s[0].tolist() for s in samples], self.devices, offload)
+                                  [s[0].tolist() for s in samples], self.devices, offload, plan.ckpt.allow_nonfinite)
             self._ranks = distributed.spawn(job)
         self.quantizer = LayerwiseQuantizer(plan, samples, device, offload, on_layer=self.on_layer, written=written,
                                             on_expert=self.on_expert)

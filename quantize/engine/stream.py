@@ -61,7 +61,9 @@ def produce(plan: Plan, e: Entry, device: torch.device) -> list[torch.Tensor]:
     """The output tensors of one plan entry, in the order of `e.outputs`."""
     t = e.tensor
     if e.action == "keep":
-        return [read_tensor(t.main)]
+        kept = read_tensor(t.main)
+        plan.ckpt.check_finite(t, kept)
+        return [kept]
     if e.action == "passthrough":
         return list(plan.ckpt.read_parts(t).values())
     w = plan.ckpt.decode(t, device).to(plan.ckpt.dtype)

@@ -1,0 +1,83 @@
+"""SIGKILL a real `quantize convert` at several points, then `--resume`: the output is byte-identical to an
+uninterrupted run, in the streaming (RTN) and the layerwise (GPTQ) engine."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import RECIPES
+from test_gptq import calibration_samples
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def done_shards(partial: Path) -> int:
+    try:
+        return len(json.loads((partial / "state.json").read_text())["done"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+POINTS = {
+    "state written, nothing else": lambda p: (p / "state.json").exists(),
+    "first shard half written": lambda p: any(p.glob("*.safetensors.tmp")),
+    "one shard done": lambda p: done_shards(p) >= 1,
+    "three shards done": lambda p: done_shards(p) >= 3,
+    "the last shards": lambda p: done_shards(p) >= 6,
+    "index written, manifest not": lambda p: (p / "model.safetensors.index.json").exists(),
+}
+
+
+def kill_at(cmd: list[str], partial: Path, point, timeout: float = 120) -> bool:
+    """Run cmd and SIGKILL it as soon as `point(partial)` holds; False if it finished first."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline:
+        if partial.exists() and point(partial):
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return True
+        time.sleep(0.001)
+    proc.kill()
+    proc.wait()
+    return False
+
+
+def run(cmd: list[str]) -> None:
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+@pytest.mark.parametrize("engine", ["rtn", "gptq"])
+def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_bytes(engine, fixtures_dir, tmp_path):
+    if engine == "rtn":
+        src, extra = fixtures_dir / "kimi-k2-fp8", ["--recipe", str(RECIPES / "kimi-k2-w4a16.yaml")]
+    else:
+        src = fixtures_dir / "llama-bf16"
+        extra = ["--recipe", str(RECIPES / "dense-w4a16.yaml"), "--method", "gptq", "--calib",
+                 str(calibration_samples(tmp_path, n=16)), "--num-samples", "8", "--seq-len", "64"]
+    base = [sys.executable, "-m", "quantize", "convert", str(src)]
+    opts = [*extra, "--max-shard-size", "200KB", "--workers", "1", "--device", "cpu"]
+    reference = tmp_path / "reference"
+    run([*base, str(reference), *opts])
+    want = files_of(reference)
+    assert sum(n.endswith(".safetensors") for n in want) >= 7
+    killed = 0
+    for k, (label, point) in enumerate(POINTS.items()):
+        out = tmp_path / f"out{k}"
+        partial = out.with_name(out.name + ".partial")
+        if not kill_at([*base, str(out), *opts], partial, point):
+            continue  # finished before reaching the point: nothing to resume
+        killed += 1
+        assert not out.exists(), label
+        run([*base, str(out), *opts, "--resume"])
+        assert files_of(out) == want, label
+        assert not partial.exists()
+    assert killed >= 4, killed
