@@ -72,4 +72,31 @@ def download(src: str) -> tuple[Path, dict]:
         raise QuantizeError(f"Hub error for {src}: {e}".splitlines()[0]) from e
     except OSError as e:
         raise QuantizeError(f"cannot download {src}: {e}") from e
-    return folder, {"repo_id": repo_id, "revision": folder.name, "requested_revision": revision}
+    checked = check_blobs(folder)
+    return folder, {"repo_id": repo_id, "revision": folder.name, "requested_revision": revision, "sha256_checked": checked}
+
+
+def check_blobs(folder: Path) -> int:
+    """Check each file of a Hub snapshot against the sha256 the Hub published for it.
+
+    In the HF cache a snapshot's files link to `blobs/<etag>`, and the etag of an LFS file (every weight
+    shard) is its sha256: the Hub's own checksum, kept without asking the network again. Returns the number
+    of files checked; a mismatch is an error naming the file."""
+    import hashlib
+
+    n = 0
+    for p in sorted(folder.rglob("*")):
+        if not p.is_symlink() or not p.is_file():
+            continue
+        etag = p.resolve().name
+        if len(etag) != 64 or any(c not in "0123456789abcdef" for c in etag):
+            continue  # a small git file: its etag is a git blob sha1, not a content sha256
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+        if h.hexdigest() != etag:
+            raise QuantizeError(f"{p.relative_to(folder)}: its sha256 differs from the Hub's ({etag[:12]}...); the "
+                                f"download is corrupt: delete {p.resolve()} and run `quantize download` again")
+        n += 1
+    return n

@@ -228,3 +228,36 @@ def test_nonfinite_weights_are_refused_unless_allowed(fixtures_dir, tmp_path, te
         assert torch.isfinite(written[tensor.replace(".weight", ".weight_scale")].float()).all()
     else:  # kept: copied as it is
         assert torch.isnan(written[tensor].float()).sum() == 1 and torch.isinf(written[tensor].float()).sum() == 1
+
+
+def test_a_downloaded_file_is_checked_against_the_hubs_sha256(tmp_path):
+    """The HF cache layout: snapshots/<rev>/<file> -> ../../blobs/<etag>; an LFS file's etag is its sha256."""
+    import hashlib
+
+    from quantize import hub
+    from quantize.errors import QuantizeError
+
+    blobs, snap = tmp_path / "blobs", tmp_path / "snapshots" / "abc123"
+    blobs.mkdir()
+    snap.mkdir(parents=True)
+    weights, small = b"\x01" * 1000, b'{"a": 1}'
+    for name, data, etag in (("model.safetensors", weights, hashlib.sha256(weights).hexdigest()),
+                             ("config.json", small, hashlib.sha1(small).hexdigest())):
+        (blobs / etag).write_bytes(data)
+        (snap / name).symlink_to(f"../../blobs/{etag}")
+    assert hub.check_blobs(snap) == 1  # the LFS file; the small file's etag is a git sha1
+    blob = (snap / "model.safetensors").resolve()
+    blob.write_bytes(b"\x01" * 999 + b"\x00")
+    with pytest.raises(QuantizeError, match="model.safetensors: its sha256 differs from the Hub's"):
+        hub.check_blobs(snap)
+
+
+def test_the_hub_token_is_never_printed_or_written(fixtures_dir, tmp_path):
+    token = "hf_ThisIsASecretTokenThatMustNotLeak"
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["convert", str(fixtures_dir / "llama-bf16"), str(out), "--scheme", "w4a16",
+                                  "--group-size", "64", "--json"], env={"HF_TOKEN": token})
+    assert r.exit_code == 0, r.output
+    assert token not in r.output and token not in r.stderr
+    for p in out.iterdir():
+        assert token.encode() not in p.read_bytes(), p.name

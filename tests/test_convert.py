@@ -223,3 +223,35 @@ def test_inspect_summary_counts_what_the_recipe_touches(fixtures_dir):
     assert s["quantized_modules_by_kind"] == {"expert": 48}
     assert s["parameters_by_kind"]["expert"] == 2 * 8 * 3 * 128 * 256
     assert 0 < s["output_bytes"] and s["shards"] == 3
+
+
+def test_a_full_disk_is_a_clear_error_that_keeps_the_finished_shards(fixtures_dir, tmp_path, monkeypatch):
+    import errno
+
+    from quantize import writer
+    from quantize.errors import QuantizeError
+
+    r = recipe.load(RECIPES / "kimi-k2-w4a16.yaml")
+    plan = build(Checkpoint(fixtures_dir / "kimi-k2-fp8"), r, max_shard_size=2**20)
+    stream.run(plan, tmp_path / "clean")
+    real, budget = writer.ShardWriter._write, [600_000]  # the disk fills up 600 kB into the output
+
+    def fills_up(self, data):
+        budget[0] -= memoryview(data).nbytes
+        if budget[0] < 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, data)
+
+    monkeypatch.setattr(writer.ShardWriter, "_write", fills_up)
+    with pytest.raises(QuantizeError, match=r"disk full while writing model-\d+-of-\d+\.safetensors; finished shards "
+                                            r"are kept in .*out\.partial: free space and rerun with --resume"):
+        stream.run(plan, tmp_path / "out")
+    partial = tmp_path / "out.partial"
+    assert not (tmp_path / "out").exists() and not list(partial.glob("*.tmp"))
+    kept = json.loads((partial / "state.json").read_text())["done"]
+    assert kept and all((partial / n).is_file() for n in kept)
+    monkeypatch.setattr(writer.ShardWriter, "_write", real)
+    result = stream.run(plan, tmp_path / "out", resume=True)
+    assert result.resumed_shards == len(kept)
+    assert {p.name: p.read_bytes() for p in (tmp_path / "clean").iterdir()} == {
+        p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
