@@ -82,7 +82,7 @@ def check_blobs(folder: Path) -> int:
     In the HF cache a snapshot's files link to `blobs/<etag>`, and the etag of an LFS file (every weight
     shard) is its sha256: the Hub's own checksum, kept without asking the network again. Returns the number
     of files checked; a mismatch is an error naming the file."""
-    import hashlib
+    from quantize.writer import sha256_file
 
     n = 0
     for p in sorted(folder.rglob("*")):
@@ -91,11 +91,7 @@ def check_blobs(folder: Path) -> int:
         etag = p.resolve().name
         if len(etag) != 64 or any(c not in "0123456789abcdef" for c in etag):
             continue  # a small git file: its etag is a git blob sha1, not a content sha256
-        h = hashlib.sha256()
-        with open(p, "rb") as f:
-            while chunk := f.read(1 << 24):
-                h.update(chunk)
-        if h.hexdigest() != etag:
+        if sha256_file(p) != etag:
             raise QuantizeError(f"{p.relative_to(folder)}: its sha256 differs from the Hub's ({etag[:12]}...); the "
                                 f"download is corrupt: delete {p.resolve()} and run `quantize download` again")
         n += 1

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from quantize.errors import QuantizeError, UsageError
-from quantize.writer import MANIFEST_NAME
+from quantize.writer import MANIFEST_NAME, sha256_file
 
 TASKS = ("gsm8k", "mmlu", "arc_challenge")
 BACKENDS = ("hf", "vllm", "sglang")
@@ -121,15 +121,7 @@ def task_fingerprint(task: str, data_dir: Path | None) -> str:
     if data_dir is not None:
         h.update(f"local tasks v{LOCAL_TASKS_VERSION}\n".encode())
         for split, rel in sorted(LOCAL_FILES[task].items()):
-            h.update(f"{split} {_sha256(Path(data_dir) / rel)}\n".encode())
-    return h.hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
+            h.update(f"{split} {sha256_file(Path(data_dir) / rel)}\n".encode())
     return h.hexdigest()
 
 
@@ -149,7 +141,7 @@ def model_identity(folder: Path, source: dict) -> str:
     for p in sorted(q for q in folder.rglob("*") if q.is_file() and q.name != MANIFEST_NAME):
         rel = p.relative_to(folder).as_posix()
         rec = known.get(rel) or {}
-        digest = rec["sha256"] if rec.get("size") == p.stat().st_size and rec.get("sha256") else _sha256(p)
+        digest = rec["sha256"] if rec.get("size") == p.stat().st_size and rec.get("sha256") else sha256_file(p)
         h.update(f"{rel} {digest}\n".encode())
     return "sha256:" + h.hexdigest()
 

@@ -16,7 +16,7 @@ from quantize.errors import QuantizeError
 from quantize.safetensors_file import DTYPES, TensorSpec, encode_header
 
 MANIFEST_NAME = "quantize-manifest.json"
-HASH_CHUNK = 16 * 2**20
+HASH_CHUNK = 4 * 2**20
 
 
 def disk_full(path: Path, e: OSError) -> QuantizeError:
@@ -85,10 +85,13 @@ class ShardWriter:
 
 
 def sha256_file(path: Path) -> str:
+    """Streamed through one reused buffer: memory stays at HASH_CHUNK whatever the file's size."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
     return h.hexdigest()
 
 
