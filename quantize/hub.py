@@ -86,13 +86,20 @@ def check_blobs(folder: Path) -> int:
 
     n = 0
     for p in sorted(folder.rglob("*")):
-        if not p.is_symlink() or not p.is_file():
+        etag = hub_sha256(p) if p.is_file() else None
+        if etag is None:
             continue
-        etag = p.resolve().name
-        if len(etag) != 64 or any(c not in "0123456789abcdef" for c in etag):
-            continue  # a small git file: its etag is a git blob sha1, not a content sha256
         if sha256_file(p) != etag:
             raise QuantizeError(f"{p.relative_to(folder)}: its sha256 differs from the Hub's ({etag[:12]}...); the "
                                 f"download is corrupt: delete {p.resolve()} and run `quantize download` again")
         n += 1
     return n
+
+
+def hub_sha256(path: Path) -> str | None:
+    """The sha256 the Hub published for a file of an HF-cache snapshot: the name of the blob it links to, for
+    LFS files. None for other files (a small git file's etag is a git blob sha1, not a content sha256)."""
+    if not path.is_symlink():
+        return None
+    etag = path.resolve().name
+    return etag if len(etag) == 64 and all(c in "0123456789abcdef" for c in etag) else None

@@ -12,7 +12,6 @@ the size-weighted mean, as lm-eval's own group reports it.
 import hashlib
 import importlib.util
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -228,10 +227,8 @@ def evaluate(folder: Path, tasks: list[str], *, backend: str = "hf", device: str
     return json.loads(json.dumps(keep, default=_jsonable))
 
 
-def _jsonable(o):
-    if isinstance(o, float) and math.isnan(o):
-        return None
-    return str(o)
+def _jsonable(o) -> str:
+    return str(o)  # lm-eval's results hold a few non-JSON objects (dtypes, functions); NaN stays NaN for the gate
 
 
 def _write_samples(samples: dict, folder: Path) -> None:

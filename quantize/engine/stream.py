@@ -22,8 +22,9 @@ from quantize import __version__
 from quantize.checkpoint import INDEX_NAME
 from quantize.engine.state import STATE_NAME, State, fingerprint
 from quantize.errors import QuantizeError, UsageError
+from quantize.hub import hub_sha256
 from quantize.quant import pack, rtn
-from quantize.safetensors_file import read_header, read_tensor
+from quantize.safetensors_file import read_tensor
 from quantize.tensor_plan import Entry, Plan
 from quantize.verify import verify
 from quantize.writer import (
@@ -152,17 +153,6 @@ def prepare(out: Path, resume: bool, overwrite: bool) -> Path:
     return partial
 
 
-def verify_output(folder: Path, plan: Plan, weight_map: dict[str, str]) -> None:
-    """The fast check before the rename: every shard parses and holds exactly what the index says."""
-    seen: dict[str, str] = {}
-    for name in plan.shard_names:
-        for tensor in read_header(folder / name):
-            seen[tensor] = name
-    if seen != weight_map:
-        missing = sorted(set(weight_map) - set(seen))[:3]
-        raise QuantizeError(f"output check failed: index and shards disagree (e.g. {missing}); rerun with --overwrite")
-
-
 def run(
     plan: Plan,
     out: Path,
@@ -202,7 +192,7 @@ def run(
                 progress(done[0], total)
 
     advance(0)
-    source_hashes = _hash_source_in_background(plan.ckpt.root, source_info or {})
+    source_hashes = _hash_source_in_background(plan.ckpt.root)
     dev = torch.device(device)
     produce_calibrated = None
     if calibrated is not None:
@@ -274,15 +264,13 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def _hash_source_in_background(root: Path, source_info: dict) -> Future:
+def _hash_source_in_background(root: Path) -> Future:
     """sha256 of each source file, for the manifest. A Hub snapshot's files link to blobs named by their
     sha256 (LFS), so those cost nothing; other files are hashed in a thread while the conversion runs."""
     def run() -> dict[str, dict]:
         out = {}
         for p in sorted(q for q in root.iterdir() if q.is_file() and not q.name.startswith(".")):
-            blob = p.resolve().name if p.is_symlink() else ""
-            sha = blob if len(blob) == 64 and all(c in "0123456789abcdef" for c in blob) else sha256_file(p)
-            out[p.name] = {"size": p.stat().st_size, "sha256": sha}
+            out[p.name] = {"size": p.stat().st_size, "sha256": hub_sha256(p) or sha256_file(p)}
         return out
 
     pool = ThreadPoolExecutor(max_workers=1)
