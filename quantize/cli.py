@@ -147,7 +147,8 @@ def _calibration_table(stats) -> None:
     t = Table(title="calibration", title_justify="left")
     for col in ("layers", "experts calibrated", "fallbacks to RTN", "activations", "time"):
         t.add_column(col)
-    t.add_row(str(len(stats.layers)), str(sum(x.experts_calibrated for x in stats.layers)),
+    resumed = f" ({stats.resumed_layers} from the checkpoint)" if stats.resumed_layers else ""
+    t.add_row(f"{len(stats.layers)}{resumed}", str(sum(x.experts_calibrated for x in stats.layers)),
               str(sum(len(x.fallbacks) for x in stats.layers)), stats.offload,
               f"{sum(x.seconds for x in stats.layers):.1f} s")
     out.print(t)
@@ -356,6 +357,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         report["calibration"] = {
             "offload": stats.offload,
             "layers": len(stats.layers),
+            "resumed_layers": stats.resumed_layers,
             "seconds_per_layer": [round(x.seconds, 3) for x in stats.layers],
             "experts_calibrated": sum(x.experts_calibrated for x in stats.layers),
             "fallbacks": [f for x in stats.layers for f in x.fallbacks],

@@ -105,3 +105,33 @@ def test_awq_output_loads_and_writes_the_rescaled_norms(kind, r, fixtures_dir, t
     assert info["missing_keys"] == set() and all(k.startswith(f"model.layers.{n}.") for k in info["unexpected_keys"])
     with torch.no_grad():
         assert torch.isfinite(model(samples[0]).logits).all()
+
+
+def test_awq_resume_from_a_layer_checkpoint_gives_the_uninterrupted_bytes(fixtures_dir, tmp_path, monkeypatch):
+    """The checkpoint must carry what AWQ changed besides the quantized weights (rescaled norms and routers)."""
+    rec = recipe.load(RECIPES / "kimi-k2-w4a16.yaml")
+    data = calibration_samples(tmp_path)
+    rec = dataclasses.replace(rec, method="awq", calibration=dataclasses.replace(rec.calibration, data=str(data),
+                                                                                 num_samples=4, seq_len=32))
+    src = fixtures_dir / "kimi-k2-fp8"
+    plan = build(Checkpoint(src), rec, 2**18)
+    samples = calib.load_samples(str(data), calib.load_tokenizer(src), 4, 32)
+    clean = Calibrated(plan, samples, torch.device("cpu"))
+    stream.run(plan, tmp_path / "clean", calibrated=clean)
+    meta, real = tmp_path / "out.partial" / "calib" / "layers.json", stream.write_shard
+
+    def dies_after_two_layers(*a, **k):
+        if meta.exists() and json.loads(meta.read_text())["next_layer"] >= 2:
+            raise OSError(5, "I/O error")
+        return real(*a, **k)
+
+    monkeypatch.setattr(stream, "write_shard", dies_after_two_layers)
+    with pytest.raises(OSError):
+        stream.run(plan, tmp_path / "out", calibrated=Calibrated(plan, samples, torch.device("cpu")))
+    monkeypatch.setattr(stream, "write_shard", real)
+    hook = Calibrated(plan, samples, torch.device("cpu"))
+    stream.run(plan, tmp_path / "out", resume=True, calibrated=hook)
+    assert hook.quantizer.stats.resumed_layers == 2
+    assert hook.quantizer.stats.awq == clean.quantizer.stats.awq  # the resumed layers' searches are still reported
+    for f in sorted((tmp_path / "clean").glob("*.safetensors")):
+        assert f.read_bytes() == (tmp_path / "out" / f.name).read_bytes(), f.name

@@ -11,6 +11,7 @@ from quantize import calib, recipe
 from quantize.checkpoint import Checkpoint
 from quantize.engine import stream
 from quantize.engine.layerwise import Calibrated
+from quantize.errors import QuantizeError, UsageError
 from quantize.quant import gptq, rtn
 from quantize.tensor_plan import build
 
@@ -243,17 +244,62 @@ def test_gptq_resume_after_a_failure_gives_the_uninterrupted_bytes(fixtures_dir,
     stream.run(plan, tmp_path / "clean", calibrated=Calibrated(plan, samples, torch.device("cpu")))
     real, calls = stream.write_shard, []
 
-    def dies_on_fourth(*a, **k):
+    def dies_on_eighth(*a, **k):
         calls.append(1)
-        if len(calls) == 4:
+        if len(calls) == 8:
             raise OSError(5, "I/O error")
         return real(*a, **k)
 
-    monkeypatch.setattr(stream, "write_shard", dies_on_fourth)
+    monkeypatch.setattr(stream, "write_shard", dies_on_eighth)
     with pytest.raises(OSError):
         stream.run(plan, tmp_path / "out", calibrated=Calibrated(plan, samples, torch.device("cpu")))
     monkeypatch.setattr(stream, "write_shard", real)
-    result = stream.run(plan, tmp_path / "out", resume=True, calibrated=Calibrated(plan, samples, torch.device("cpu")))
-    assert result.resumed_shards == 3
+    partial = tmp_path / "out.partial"
+    saved = json.loads((partial / "calib" / "layers.json").read_text())
+    assert saved["next_layer"] >= 1
+    # results of layers whose shards are all finished are released; the newest layer's are always kept
+    assert str(saved["next_layer"] - 1) in saved["results"]
+
+    other = [s[:, :-1] for s in samples]  # other calibration tokens: their activations would not match
+    with pytest.raises(UsageError, match="other samples"):
+        stream.run(plan, tmp_path / "out", resume=True, calibrated=Calibrated(plan, other, torch.device("cpu")))
+
+    hook = Calibrated(plan, samples, torch.device("cpu"))
+    result = stream.run(plan, tmp_path / "out", resume=True, calibrated=hook)
+    assert result.resumed_shards == 7
+    stats = hook.quantizer.stats
+    assert stats.resumed_layers == saved["next_layer"]  # taken from the checkpoint, not calibrated again
+    assert [x.layer for x in stats.layers] == list(range(plan.model.num_hidden_layers))
     for f in sorted((tmp_path / "clean").glob("*.safetensors")):
         assert f.read_bytes() == (tmp_path / "out" / f.name).read_bytes(), f.name
+    assert not partial.exists() and not (tmp_path / "out" / "calib").exists()
+
+
+def test_a_damaged_layer_checkpoint_is_refused_not_used(fixtures_dir, tmp_path, monkeypatch):
+    import dataclasses
+
+    data = calibration_samples(tmp_path)
+    r = recipe.load(RECIPES / "dense-w4a16.yaml")
+    r = dataclasses.replace(r, method="gptq", calibration=dataclasses.replace(r.calibration, data=str(data),
+                                                                              num_samples=4, seq_len=32))
+    src = fixtures_dir / "llama-bf16"
+    samples = calib.load_samples(str(data), calib.load_tokenizer(src), 4, 32)
+    plan = build(Checkpoint(src), r, 2**18)
+    real = stream.write_shard
+
+    def dies_after_first_layer(*a, **k):
+        if (tmp_path / "out.partial" / "calib" / "layers.json").exists():
+            raise OSError(5, "I/O error")
+        return real(*a, **k)
+
+    monkeypatch.setattr(stream, "write_shard", dies_after_first_layer)
+    with pytest.raises(OSError):
+        stream.run(plan, tmp_path / "out", calibrated=Calibrated(plan, samples, torch.device("cpu")))
+    monkeypatch.setattr(stream, "write_shard", real)
+    act = next((tmp_path / "out.partial" / "calib").glob("activations-*.safetensors"))
+    data_ = bytearray(act.read_bytes())
+    data_[-3] ^= 0x10  # one bit of the last sample's activations
+    act.write_bytes(bytes(data_))
+    with pytest.raises(QuantizeError, match="does not match its checksum"):
+        stream.run(plan, tmp_path / "out", resume=True, calibrated=Calibrated(plan, samples, torch.device("cpu")))
+    assert not (tmp_path / "out").exists()

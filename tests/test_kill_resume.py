@@ -50,9 +50,24 @@ def kill_at(cmd: list[str], partial: Path, point, timeout: float = 120) -> bool:
     return False
 
 
-def run(cmd: list[str]) -> None:
+def next_layer(partial: Path) -> int:
+    try:
+        return json.loads((partial / "calib" / "layers.json").read_text())["next_layer"]
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+# the layerwise engine's own units: killed after a layer checkpoint, the resume must start from it
+LAYER_POINTS = {
+    "first layer checkpointed": lambda p: next_layer(p) >= 1,
+    "every layer checkpointed, shards left": lambda p: next_layer(p) >= 2 and done_shards(p) < 7,
+}
+
+
+def run(cmd: list[str]) -> dict:
     p = subprocess.run(cmd, capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout) if "--json" in cmd else {}
 
 
 @pytest.mark.parametrize("engine", ["rtn", "gptq"])
@@ -69,15 +84,22 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_bytes(engine, fixt
     run([*base, str(reference), *opts])
     want = files_of(reference)
     assert sum(n.endswith(".safetensors") for n in want) >= 7
-    killed = 0
-    for k, (label, point) in enumerate(POINTS.items()):
+    killed, from_checkpoint = 0, 0
+    points = POINTS | (LAYER_POINTS if engine == "gptq" else {})
+    for k, (label, point) in enumerate(points.items()):
         out = tmp_path / f"out{k}"
         partial = out.with_name(out.name + ".partial")
         if not kill_at([*base, str(out), *opts], partial, point):
             continue  # finished before reaching the point: nothing to resume
         killed += 1
         assert not out.exists(), label
-        run([*base, str(out), *opts, "--resume"])
+        saved = next_layer(partial)
+        report = run([*base, str(out), *opts, "--resume", "--json"])
         assert files_of(out) == want, label
         assert not partial.exists()
+        if engine == "gptq":  # the resume took every checkpointed layer instead of calibrating it again
+            assert report["calibration"]["resumed_layers"] == saved, label
+            from_checkpoint += saved > 0
     assert killed >= 4, killed
+    if engine == "gptq":
+        assert from_checkpoint >= 2, from_checkpoint

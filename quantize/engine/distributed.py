@@ -25,6 +25,7 @@ class Job:
     devices: list[str]
     offload: str
     allow_nonfinite: bool = False
+    start_layer: int = 0  # a resumed run continues from rank 0's layer checkpoint
 
 
 def _free_port() -> int:
@@ -92,6 +93,7 @@ def run_rank(job: Job, device: torch.device) -> None:
     plan = build(Checkpoint(Path(job.src), job.allow_nonfinite), recipe.from_dict(job.recipe, "rank job"), job.max_shard_size)
     samples = [torch.tensor([ids], dtype=torch.long) for ids in job.samples]
     q = LayerwiseQuantizer(plan, samples, device, job.offload)
+    q.next_layer = job.start_layer
     try:
         q.run_worker()
     finally:

@@ -19,7 +19,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -27,6 +27,7 @@ import psutil
 import torch
 from torch import nn
 
+from quantize.engine.layer_state import CALIB_DIR, LayerCheckpoint, Resume, samples_key
 from quantize.errors import QuantizeError
 from quantize.quant import awq, gptq, pack, rtn
 from quantize.tensor_plan import Entry, Plan
@@ -90,6 +91,13 @@ class ActivationStore:
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def nbytes(self) -> int:
+        return sum(math.prod(self._meta(i)[1]) * self._meta(i)[0].itemsize for i in range(len(self.items)))
+
+    def _meta(self, i: int) -> tuple[torch.dtype, tuple[int, ...]]:
+        item = self.items[i]
+        return item[1:] if self.kind == "disk" else (item.dtype, tuple(item.shape))
 
     def clear(self) -> None:
         if self.kind == "disk":
@@ -176,9 +184,21 @@ class Stats:
     error: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     offload: str = ""
     awq: list[dict] = field(default_factory=list)
+    resumed_layers: int = 0  # layers a --resume took from the checkpoint instead of calibrating again
 
     def mean_error(self) -> dict[str, float]:
         return {k: sum(v) / len(v) for k, v in sorted(self.error.items())}
+
+    def to_dict(self) -> dict:
+        return {"layers": [asdict(x) for x in self.layers], "error": dict(self.error), "awq": self.awq}
+
+    def restore(self, saved: dict) -> None:
+        for x in saved.get("layers", []):
+            x["tokens_per_expert"] = {int(k): v for k, v in x["tokens_per_expert"].items()}
+            self.layers.append(LayerReport(**x))
+        for kind, v in saved.get("error", {}).items():
+            self.error[kind].extend(v)
+        self.awq.extend(saved.get("awq", []))
 
 
 class LayerwiseQuantizer:
@@ -190,9 +210,11 @@ class LayerwiseQuantizer:
 
     def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device, offload: str = "auto",
                  on_layer: Callable[[LayerReport, int], None] | None = None,
-                 written: set[str] = frozenset(), on_expert: Callable[[int, int], None] | None = None):
+                 on_expert: Callable[[int, int], None] | None = None, checkpoint: LayerCheckpoint | None = None,
+                 resume: Resume | None = None, finished: Callable[[], set[str]] = frozenset):
         self.plan, self.device, self.on_layer, self.on_expert = plan, device, on_layer, on_expert
-        self.written = written  # tensors of shards finished before a resume: recomputed, not kept
+        self.checkpoint, self.finished = checkpoint, finished
+        self.written = finished()  # tensors of shards finished before a resume: not kept if recomputed
         self.lock = threading.Lock()
         dist = torch.distributed
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -220,7 +242,12 @@ class LayerwiseQuantizer:
         self.positions = [torch.arange(s.shape[1], device=device).unsqueeze(0) for s in samples]
         self.carry: list = [None] * len(samples)  # GLM-5's DSA layers pass their top-k indices on
         self._shared: tuple = (None, None)  # (length, layer type), (mask, rotary embeddings)
-        self._embed(samples)
+        self.rotary = type(self.skeleton.model.rotary_emb)(config=self.config).to(self.device)
+        self.resumed_from = 0
+        if resume is not None:
+            self._restore(resume)
+        else:
+            self._embed(samples)
         release_freed_memory()  # the tokenizer and the embedding matrix are gone by now
 
     def _store(self) -> ActivationStore:
@@ -238,8 +265,28 @@ class LayerwiseQuantizer:
         weight = self._decode(name).to(self.dtype)
         for ids in samples:
             self.hidden.append(nn.functional.embedding(ids.to(self.device), weight))
-        rotary_cls = type(self.skeleton.model.rotary_emb)
-        self.rotary = rotary_cls(config=self.config).to(self.device)
+
+    def _restore(self, resume: Resume) -> None:
+        """Continue from a checkpoint: the activations entering its next layer, the stats so far."""
+        for name, t in self.checkpoint.activations(resume):
+            kind, s = name.split(".")
+            if kind == "hidden":
+                self.hidden.append(t.to(self.device))
+            else:
+                self.carry[int(s)] = t.to(self.device)
+        if len(self.hidden) != len(self.positions):
+            raise QuantizeError(f"the checkpoint holds {len(self.hidden)} samples, not {len(self.positions)}; "
+                                "rerun with --overwrite")
+        self.stats.restore(resume.stats)
+        self.next_layer = self.resumed_from = self.stats.resumed_layers = resume.next_layer
+
+    def _save_checkpoint(self, i: int) -> None:
+        results = {n: ts for n, ts in self.results.items() if self.entries[n].role.layer == i}
+        activations = {f"hidden.{s}": self.hidden[s] for s in range(len(self.hidden))}
+        activations |= {f"carry.{s}": c for s, c in enumerate(self.carry) if c is not None}
+        prefix = f"{self.model.prefix}model.layers.{i}."
+        self.checkpoint.save(i, results, activations, self.stats.to_dict(), self.finished(),
+                             {n for n in self.entries if n.startswith(prefix)})
 
     def _mask(self, h: torch.Tensor, pos: torch.Tensor):
         from transformers.masking_utils import create_causal_mask
@@ -307,6 +354,8 @@ class LayerwiseQuantizer:
         if self.recipe.method == "gptq" and e.tensor.name not in self.targets:
             return None  # GPTQ changes only what it quantizes; AWQ smoothing also rescales norms and routers
         with self.lock:  # writer threads ask concurrently; layers must run one at a time, in order
+            if layer < self.resumed_from:
+                return self.checkpoint.result(layer, e.tensor.name)
             while self.next_layer <= layer:
                 self._quantize_layer(self.next_layer)
                 self.next_layer += 1
@@ -330,6 +379,8 @@ class LayerwiseQuantizer:
         self.skeleton.model.layers[i] = nn.Module()  # drop the layer's weights
         report.seconds = time.perf_counter() - t0
         self.stats.layers.append(report)
+        if self.checkpoint is not None:
+            self._save_checkpoint(i)
         if self.on_layer:
             self.on_layer(report, self.model.num_hidden_layers)
 
@@ -544,7 +595,7 @@ class LayerwiseQuantizer:
 
     def run_worker(self) -> None:
         """Rank > 0: take part in every layer's expert split; rank 0 does everything else and writes."""
-        for i in range(self.model.num_hidden_layers):
+        for i in range(self.next_layer, self.model.num_hidden_layers):
             targets = self._layer_targets(i)
             expert_targets = {m for m in targets if ".experts." in m}
             if not expert_targets or self.recipe.method != "gptq":
@@ -560,6 +611,15 @@ class LayerwiseQuantizer:
             self._quantize_experts(experts, targets, inputs, routes, LayerReport(layer=i, seconds=0.0, modules=0))
             inputs.clear()
             self.skeleton.model.layers[i] = nn.Module()
+
+
+def _check_checkpoint_space(partial: Path, plan: Plan, samples: list[torch.Tensor]) -> None:
+    """The layer checkpoint briefly holds two copies of the activations: refuse up front when they cannot fit."""
+    need = 2 * sum(s.numel() for s in samples) * plan.model.hidden_size * plan.ckpt.dtype.itemsize
+    free = shutil.disk_usage(partial).free
+    if need > free:
+        raise QuantizeError(f"the layer checkpoints need {need / 2**30:.1f} GiB in {partial} but "
+                            f"{free / 2**30:.1f} GiB is free; free space and rerun")
 
 
 def _parent(smooth: str, balance: list[str], modules: dict[str, nn.Module]) -> str | None:
@@ -752,16 +812,23 @@ class Calibrated:
         self.quantizer: LayerwiseQuantizer | None = None
         self._ranks = None
 
-    def __call__(self, written: set[str]) -> Callable[[Entry], list[torch.Tensor] | None]:
+    def __call__(self, partial: Path, finished: Callable[[], set[str]]) -> Callable[[Entry], list[torch.Tensor] | None]:
+        """The producer for stream.run, which converts into `partial`; `finished()` names the tensors of the
+        output shards finished so far. Continues from the layer checkpoint in `partial` when there is one."""
         from quantize.engine import distributed
 
         plan, samples, device, offload = self.args
+        checkpoint = LayerCheckpoint(partial / CALIB_DIR, samples_key(samples, device))
+        resume = checkpoint.load()
+        _check_checkpoint_space(partial, plan, samples)
         if len(self.devices) > 1 and not torch.distributed.is_initialized():
             job = distributed.Job(str(plan.ckpt.root), plan.recipe.to_dict(), 1 << 62,
-                                  [s[0].tolist() for s in samples], self.devices, offload, plan.ckpt.allow_nonfinite)
+                                  [s[0].tolist() for s in samples], self.devices, offload, plan.ckpt.allow_nonfinite,
+                                  start_layer=resume.next_layer if resume else 0)
             self._ranks = distributed.spawn(job)
-        self.quantizer = LayerwiseQuantizer(plan, samples, device, offload, on_layer=self.on_layer, written=written,
-                                            on_expert=self.on_expert)
+        self.quantizer = LayerwiseQuantizer(plan, samples, device, offload, on_layer=self.on_layer,
+                                            on_expert=self.on_expert, checkpoint=checkpoint, resume=resume,
+                                            finished=finished)
         return self.quantizer.produce
 
     def close(self, ok: bool = True) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from quantize import __version__
 from quantize.checkpoint import INDEX_NAME
+from quantize.engine.layer_state import CALIB_DIR
 from quantize.engine.state import STATE_NAME, State, fingerprint
 from quantize.errors import QuantizeError, UsageError
 from quantize.hub import hub_sha256
@@ -167,8 +168,9 @@ def run(
 ) -> Result:
     """Convert per `plan` into `out`. `progress(done_bytes, total_bytes)` is called from worker threads.
 
-    `calibrated(written)`, for the calibrated methods, makes the per-entry producer of engine/layerwise.py once
-    the destination is known to be usable; `written` names the tensors of shards a resume skips."""
+    `calibrated(partial, finished)`, for the calibrated methods, makes the per-entry producer of
+    engine/layerwise.py once the destination is known to be usable; `finished()` names the tensors of the
+    output shards finished so far (by this run or before a resume)."""
     out = Path(out)
     t0 = time.perf_counter()
     partial = prepare(out, resume, overwrite)
@@ -195,9 +197,14 @@ def run(
     source_hashes = _hash_source_in_background(plan.ckpt.root)
     dev = torch.device(device)
     produce_calibrated = None
+    finished_shards = [i for i in range(len(names)) if i not in todo]
+
+    def finished() -> set[str]:
+        return {e.tensor.name for i in list(finished_shards) for e in plan.shards[i]}
+
     if calibrated is not None:
         workers = 1  # the layer forwards use every core; one producer thread overlaps them with the writer
-        produce_calibrated = calibrated({e.tensor.name for i, s in enumerate(plan.shards) if i not in todo for e in s})
+        produce_calibrated = calibrated(partial, finished)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     try:
@@ -207,8 +214,10 @@ def run(
                 size, sha, tensors = write_shard(plan, i, partial / names[i], dev, advance, pool, depth=workers + 1,
                                                  calibrated=produce_calibrated)
                 state.mark(names[i], size=size, sha256=sha, tensors=tensors)
+                finished_shards.append(i)
     finally:
         torch.set_num_threads(threads)
+    shutil.rmtree(partial / CALIB_DIR, ignore_errors=True)  # every shard is written: the layer checkpoints are done
 
     weight_map = {s.name: names[i] for i, shard in enumerate(plan.shards) for e in shard for s in e.outputs}
     write_index(partial, weight_map, plan.out_bytes)
