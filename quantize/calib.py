@@ -60,8 +60,9 @@ def _rows(spec: str) -> list[dict]:
 
 def load_tokenizer(folder: Path, trust_remote_code: bool = False):
     """The checkpoint's own tokenizer; its remote code runs only with --trust-remote-code."""
-    from transformers import AutoTokenizer
+    from quantize import hf
 
+    AutoTokenizer = hf.transformers().AutoTokenizer
     folder = Path(folder)
     if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")) and not any(
         folder.glob("*.tiktoken")

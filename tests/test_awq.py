@@ -126,8 +126,10 @@ def test_awq_resume_from_a_layer_checkpoint_gives_the_uninterrupted_bytes(fixtur
         return real(*a, **k)
 
     monkeypatch.setattr(stream, "write_shard", dies_after_two_layers)
+    failing = Calibrated(plan, samples, torch.device("cpu"))
     with pytest.raises(OSError):
-        stream.run(plan, tmp_path / "out", calibrated=Calibrated(plan, samples, torch.device("cpu")))
+        stream.run(plan, tmp_path / "out", calibrated=failing)
+    failing.close(ok=False)  # as the CLI does: waits for the layer checkpoint being written
     monkeypatch.setattr(stream, "write_shard", real)
     hook = Calibrated(plan, samples, torch.device("cpu"))
     stream.run(plan, tmp_path / "out", resume=True, calibrated=hook)

@@ -251,8 +251,10 @@ def test_gptq_resume_after_a_failure_gives_the_uninterrupted_bytes(fixtures_dir,
         return real(*a, **k)
 
     monkeypatch.setattr(stream, "write_shard", dies_on_eighth)
+    failing = Calibrated(plan, samples, torch.device("cpu"))
     with pytest.raises(OSError):
-        stream.run(plan, tmp_path / "out", calibrated=Calibrated(plan, samples, torch.device("cpu")))
+        stream.run(plan, tmp_path / "out", calibrated=failing)
+    failing.close(ok=False)  # as the CLI does: waits for the layer checkpoint being written
     monkeypatch.setattr(stream, "write_shard", real)
     partial = tmp_path / "out.partial"
     saved = json.loads((partial / "calib" / "layers.json").read_text())
@@ -293,8 +295,10 @@ def test_a_damaged_layer_checkpoint_is_refused_not_used(fixtures_dir, tmp_path, 
         return real(*a, **k)
 
     monkeypatch.setattr(stream, "write_shard", dies_after_first_layer)
+    failing = Calibrated(plan, samples, torch.device("cpu"))
     with pytest.raises(OSError):
-        stream.run(plan, tmp_path / "out", calibrated=Calibrated(plan, samples, torch.device("cpu")))
+        stream.run(plan, tmp_path / "out", calibrated=failing)
+    failing.close(ok=False)  # as the CLI does: waits for the layer checkpoint being written
     monkeypatch.setattr(stream, "write_shard", real)
     act = next((tmp_path / "out.partial" / "calib").glob("activations-*.safetensors"))
     data_ = bytearray(act.read_bytes())

@@ -8,6 +8,7 @@ says of any tensor name what it is: layer, expert, kind, and whether it is a qua
 import re
 from dataclasses import dataclass
 
+from quantize import hf
 from quantize.errors import QuantizeError
 
 
@@ -72,7 +73,7 @@ class Model:
 
     def transformers_config(self, dtype):
         """The text model's transformers config, built from the dict (never from remote code)."""
-        import transformers
+        transformers = hf.transformers()
 
         config_cls, _ = self.arch.hf_classes[self.model_type]
         raw = {k: v for k, v in self.text_config.items() if k not in ("model_type", "auto_map", "quantization_config")}
@@ -82,8 +83,7 @@ class Model:
         return config
 
     def causal_lm_class(self):
-        import transformers
-
+        transformers = hf.transformers()
         return getattr(transformers, self.arch.hf_classes[self.model_type][1])
 
     def role(self, name: str, ndim: int = 2) -> Role:

@@ -19,6 +19,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -244,6 +245,7 @@ class LayerwiseQuantizer:
         self._shared: tuple = (None, None)  # (length, layer type), (mask, rotary embeddings)
         self.rotary = type(self.skeleton.model.rotary_emb)(config=self.config).to(self.device)
         self.resumed_from = 0
+        self._saver, self._saving = ThreadPoolExecutor(max_workers=1), None
         if resume is not None:
             self._restore(resume)
         else:
@@ -254,6 +256,7 @@ class LayerwiseQuantizer:
         return ActivationStore(self.stats.offload, self.device, self._tmp)
 
     def close(self) -> None:
+        self._saver.shutdown(wait=True)
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
@@ -285,8 +288,15 @@ class LayerwiseQuantizer:
         activations = {f"hidden.{s}": self.hidden[s] for s in range(len(self.hidden))}
         activations |= {f"carry.{s}": c for s, c in enumerate(self.carry) if c is not None}
         prefix = f"{self.model.prefix}model.layers.{i}."
-        self.checkpoint.save(i, results, activations, self.stats.to_dict(), self.finished(),
-                             {n for n in self.entries if n.startswith(prefix)})
+        # written while the next layer's calibration pass runs, which reads the activations but changes nothing
+        self._saving = self._saver.submit(self.checkpoint.save, i, results, activations, self.stats.to_dict(),
+                                          self.finished(), {n for n in self.entries if n.startswith(prefix)})
+
+    def _wait_for_checkpoint(self) -> None:
+        """Block until the pending layer checkpoint is on disk; its error (a full disk) is raised here."""
+        if self._saving is not None:
+            saving, self._saving = self._saving, None
+            saving.result()
 
     def _mask(self, h: torch.Tensor, pos: torch.Tensor):
         from transformers.masking_utils import create_causal_mask
@@ -318,8 +328,10 @@ class LayerwiseQuantizer:
         layer.eval()
         return layer
 
-    def _run(self, layer: nn.Module, i: int, advance: bool, after_sample: Callable[[], None] | None = None) -> None:
-        """The calibration samples through `layer`; with `advance`, each output replaces its input in place."""
+    def _run(self, layer: nn.Module, i: int, advance: bool, after_sample: Callable[[], None] | None = None,
+             stop: "_StopWhenAllSeen | None" = None) -> None:
+        """The calibration samples through `layer`; with `advance`, each output replaces its input in place.
+        With `stop`, a sample's forward ends as soon as `stop` has seen all it waits for."""
         layer_type = (getattr(self.config, "layer_types", None) or [None] * (i + 1))[i]
         takes_topk = _takes_topk(layer)
         with torch.no_grad():
@@ -327,7 +339,14 @@ class LayerwiseQuantizer:
                 h, pos = self.hidden[s], self.positions[s]
                 mask, rotary = self._inputs(h, pos, layer_type)
                 kwargs = {"prev_topk_indices": self.carry[s]} if takes_topk else {}
-                y = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rotary, **kwargs)
+                if stop is not None:
+                    stop.reset()
+                try:
+                    y = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rotary, **kwargs)
+                except _StopForward:
+                    if after_sample is not None:
+                        after_sample()
+                    continue
                 if isinstance(y, tuple):
                     y, extra = y[0], y[1]
                     if advance:
@@ -374,6 +393,7 @@ class LayerwiseQuantizer:
             self._awq_layer(layer, i, targets, report)
         else:
             self._gptq_layer(layer, i, targets, report)
+        self._wait_for_checkpoint()  # the previous layer's checkpoint still reads the activations about to change
         self._run(layer, i, advance=True)
         release_freed_memory()
         self.skeleton.model.layers[i] = nn.Module()  # drop the layer's weights
@@ -381,6 +401,8 @@ class LayerwiseQuantizer:
         self.stats.layers.append(report)
         if self.checkpoint is not None:
             self._save_checkpoint(i)
+            if i == self.model.num_hidden_layers - 1:
+                self._wait_for_checkpoint()
         if self.on_layer:
             self.on_layer(report, self.model.num_hidden_layers)
 
@@ -388,16 +410,22 @@ class LayerwiseQuantizer:
         modules = dict(layer.named_modules())
         expert_targets = {m for m in targets if ".experts." in m}
         hessians = _Hessians(self.device)
-        hooks = [modules[m].register_forward_pre_hook(partial(hessians.hook, m))
-                 for m in targets if m not in expert_targets]
+        dense_targets = [m for m in targets if m not in expert_targets]
         moe_inputs, routes = self._store(), []
         experts_module = next((mod for mod in modules.values() if isinstance(mod, UnfusedExperts)), None)
-        if expert_targets and experts_module is not None:
+        record_moe = bool(expert_targets) and experts_module is not None
+        # the pass is only for the Hessians: once every target has seen its input, the rest of the layer (the
+        # last down_proj, the routed experts' own forward) is skipped
+        stop = _StopWhenAllSeen([*dense_targets, *(["experts"] if record_moe else [])])
+        hooks = [modules[m].register_forward_pre_hook(partial(hessians.hook, m)) for m in dense_targets]
+        hooks += [modules[m].register_forward_pre_hook(partial(stop.pre_hook, m)) for m in dense_targets]
+        if record_moe:
             def record(x, top_k_index):
                 moe_inputs.append(x)
                 routes.append(top_k_index.to("cpu"))
+                stop.seen("experts")
             experts_module.record = record
-        self._run(layer, i, advance=False, after_sample=hessians.next_sample)
+        self._run(layer, i, advance=False, after_sample=hessians.next_sample, stop=stop)
         for h in hooks:
             h.remove()
         if experts_module is not None:
@@ -716,6 +744,29 @@ def _apply_scales(smooth: nn.Module, balance: list[nn.Module], s: torch.Tensor) 
         smooth.bias[-s.numel():].copy_((smooth.bias[-s.numel():].float() / s).to(smooth.bias.dtype))
     for b in balance:
         b.weight.copy_((b.weight.float() * s.view(1, -1)).to(b.weight.dtype))
+
+
+class _StopForward(Exception):
+    """Raised inside a calibration forward once nothing after this point is needed."""
+
+
+class _StopWhenAllSeen:
+    """Ends a sample's forward (by raising _StopForward) once every name it waits for has been seen."""
+
+    def __init__(self, names: list[str]):
+        self.names = set(names)
+        self._seen: set[str] = set()
+
+    def reset(self) -> None:
+        self._seen = set()
+
+    def seen(self, name: str) -> None:
+        self._seen.add(name)
+        if self.names and self._seen >= self.names:
+            raise _StopForward
+
+    def pre_hook(self, name: str, _module, _args) -> None:
+        self.seen(name)
 
 
 class _Hessians:
