@@ -27,6 +27,7 @@ from quantize import recipe as recipes
 from quantize.checkpoint import Checkpoint
 from quantize.errors import QuantizeError
 
+GPU_CHOICES = ("h100", "h200", "b200")
 err = Console(stderr=True)
 out = Console()
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$", re.IGNORECASE)
@@ -430,6 +431,81 @@ def verify(out_dir, source, deep, workers, as_json):
                                                                      if deep else ""))
         out.print(f"[green]clean[/]: {summary}" if report.clean else f"[bold red]{len(report.findings)} finding(s)[/]: {summary}")
     sys.exit(0 if report.clean else 1)
+
+
+@main.command("plan")
+@click.argument("src", type=click.Path(exists=True))
+@click.option("--gpus", default=8, show_default=True, help="GPUs in the deployment (= --tp x --dp).")
+@click.option("--tp", default=8, show_default=True, help="Tensor-parallel size of one replica.")
+@click.option("--dp", default=1, show_default=True, help="Replicas (data parallel).")
+@click.option("--gpu", type=click.Choice(sorted(GPU_CHOICES)), default="h200", show_default=True,
+              help="GPU model, for its memory (nvidia-smi's total).")
+@click.option("--gpu-mem-gib", type=float, help="Memory of one GPU in GiB, instead of --gpu.")
+@click.option("--mem-fraction", type=float, default=0.9, show_default=True,
+              help="Share of GPU memory for weights + KV cache (SGLang's --mem-fraction-static).")
+@click.option("--overhead-gib", type=float, default=0.0, show_default=True,
+              help="Per GPU, taken from the KV budget besides the weights (CUDA graphs, activations).")
+@click.option("--kv-budget-gib", type=float, help="KV cache per GPU in GiB, instead of deriving it from memory.")
+@click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "both"]), default="both", show_default=True)
+@click.option("--weights", default="as-is", show_default=True,
+              help="'as-is' (the source's own format) or a recipe YAML to compare its INT4 output against it.")
+@click.option("--context-len", default=131072, show_default=True, help="Context per request, for max requests.")
+@click.option("--mtp", is_flag=True, help="Serve with MTP speculative decoding: the MTP layers' KV counts too.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
+def plan_(src, gpus, tp, dp, gpu, gpu_mem_gib, mem_fraction, overhead_gib, kv_budget_gib, kv_dtype, weights,
+          context_len, mtp, as_json):
+    """How many KV tokens and concurrent requests fit when SRC is served, with BF16 vs FP8 KV cache and the
+    source vs INT4 weights, side by side. SRC is a checkpoint folder (headers only are read), a converted
+    OUT, or a bare config.json (shapes come from transformers' model class on the meta device).
+
+    \b
+    KV bytes per token follow SGLang's memory pools: MLA latent (kv_lora_rank + qk_rope_head_dim) per layer on
+    every rank; DSA adds the indexer's FP8 key cache; GQA max(1, kv_heads / tp) x (head_dim + v_head_dim).
+    Published figures for Kimi K2 and GLM-5 are recomputed, and any that do not follow are said so.
+
+    \b
+    Examples:
+      quantize plan path/to/Kimi-K2-Instruct/config.json --kv-budget-gib 44.9
+      quantize plan zai-org/GLM-5-FP8-folder --weights recipes/glm-w4a16.yaml --gpu h200 --tp 8
+    """
+    from quantize import plan
+
+    try:
+        r = None if weights == "as-is" else recipes.load(Path(weights))
+        setup = plan.Setup(gpus=gpus, tp=tp, dp=dp, gpu_mem_gib=gpu_mem_gib or plan.GPUS[gpu],
+                           mem_fraction=mem_fraction, overhead_gib=overhead_gib, kv_budget_gib=kv_budget_gib,
+                           context_len=context_len, mtp=mtp)
+        kinds = ["bf16", "fp8"] if kv_dtype == "both" else [kv_dtype]
+        report = plan.capacity(Path(src), setup, kinds, r)
+    except QuantizeError as e:
+        fail(e)
+    if as_json:
+        out.print_json(json.dumps(report.to_dict(setup)))
+        return
+    budget = f"{kv_budget_gib} GiB KV per GPU" if kv_budget_gib is not None else (
+        f"{setup.gpu_mem_gib:.1f} GiB x {mem_fraction} per GPU")
+    t = Table(title=f"{report.model} on {gpus} GPU(s), TP {tp} x DP {dp}, {budget}", title_justify="left")
+    for col in ("weights", "KV", "weights GiB (all / per GPU)", "KV B/token/GPU", "KV budget GiB/GPU",
+                "tokens (all replicas)", f"requests at {context_len:,}"):
+        t.add_column(col)
+    for sc in report.scenarios:
+        t.add_row(sc.weights, sc.kv_dtype.upper(), f"{sc.weights_total / plan.GIB:,.1f} / {sc.weights_per_gpu / plan.GIB:,.1f}",
+                  f"{sc.kv.bytes_per_token:,}", f"{sc.kv_budget_per_gpu / plan.GIB:,.1f}", f"{sc.total_tokens:,}",
+                  f"{sc.max_requests:,}")
+    out.print(t)
+    out.print(f"source: {report.source}", highlight=False)
+    if report.scenarios:
+        out.print(f"KV per token: {report.scenarios[0].kv.detail}", highlight=False)
+    if report.claims:
+        c = Table(title="published figures, recomputed", title_justify="left")
+        for col in ("figure", "published", "computed", "holds"):
+            c.add_column(col)
+        for x in report.claims:
+            c.add_row(x.what, f"{x.published:,.0f} {x.unit}", f"{x.computed:,.1f} {x.unit}",
+                      "[green]yes[/]" if x.holds else "[red]no[/]")
+        out.print(c)
+    for n in report.notes:
+        out.print(f"[yellow]note:[/] {n}", highlight=False)
 
 
 @main.command("eval")
