@@ -164,6 +164,11 @@ def _calibration_table(stats) -> None:
             counts = sorted(x.tokens_per_expert.values())
             out.print(f"layer {x.layer}: tokens per expert min {counts[0]} median {counts[len(counts) // 2]} "
                       f"max {counts[-1]}", highlight=False)
+    kv = [x.kv_scale for x in stats.layers if x.kv_scale]
+    if kv:
+        out.print(f"FP8 KV cache scales: k_scale {min(k for k, _ in kv):.4g}..{max(k for k, _ in kv):.4g}, "
+                  f"v_scale {min(v for _, v in kv):.4g}..{max(v for _, v in kv):.4g} over {len(kv)} layers",
+                  highlight=False)
     for f in (f for x in stats.layers for f in x.fallbacks):
         out.print(f"[yellow]fallback:[/] {f}", highlight=False)
 
@@ -260,10 +265,13 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--allow-nonfinite", is_flag=True,
               help="Convert a source whose weights hold NaN or Inf (refused by default): those values become 0 in what "
               "is quantized; kept tensors are copied as they are.")
+@click.option("--kv-cache", type=click.Choice(["fp8"]),
+              help="Also calibrate FP8 (e4m3) KV cache scales per layer (self_attn.k_scale / v_scale, kv_cache_scheme); "
+              "gptq or awq only: the scales come from the calibration forwards.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_samples, seq_len, seed,
             calibrate_all_experts, min_expert_tokens, offload, trust_remote_code, device, devices, max_shard_size, workers,
-            tp, overwrite, resume, allow_nonfinite, as_json):
+            tp, overwrite, resume, allow_nonfinite, kv_cache, as_json):
     """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT.
 
     \b
@@ -296,7 +304,10 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         overrides = {k: v for k, v in dict(data=calib, num_samples=num_samples, seq_len=seq_len, seed=seed,
                                            calibrate_all_experts=calibrate_all_experts,
                                            min_expert_tokens=min_expert_tokens).items() if v is not None}
-        r = dataclasses.replace(r, method=method or r.method, calibration=dataclasses.replace(r.calibration, **overrides))
+        r = dataclasses.replace(r, method=method or r.method, calibration=dataclasses.replace(r.calibration, **overrides),
+                                kv_cache=kv_cache or r.kv_cache)
+        if r.kv_cache and r.method == "rtn":
+            raise click.UsageError("--kv-cache fp8 calibrates its scales: use --method gptq or awq with --calib")
         if r.method != "rtn" and not r.calibration.data:
             raise click.UsageError(f"--method {r.method} needs calibration data: --calib FILE or the recipe's calibration.data")
         dev = resolve_device(device)
@@ -364,6 +375,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             "fallbacks": [f for x in stats.layers for f in x.fallbacks],
             "mean_relative_weight_error": stats.mean_error(),
             "tokens_per_expert": {x.layer: x.tokens_per_expert for x in stats.layers if x.tokens_per_expert},
+            "kv_scales": {x.layer: x.kv_scale for x in stats.layers if x.kv_scale},
         }
     if as_json:
         out.print_json(json.dumps(report))

@@ -16,7 +16,8 @@ from quantize.errors import UsageError
 
 METHODS = ("rtn", "gptq", "awq")
 GROUP_SIZES = (32, 64, 128)
-RECIPE_KEYS = {"name", "description", "method", "scheme", "targets", "ignore", "gptq", "awq", "calibration"}
+RECIPE_KEYS = {"name", "description", "method", "scheme", "targets", "ignore", "gptq", "awq", "calibration", "kv_cache"}
+KV_CACHE = ("fp8",)
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Recipe:
     gptq: GPTQParams = GPTQParams()
     awq: AWQParams = AWQParams()
     calibration: Calibration = Calibration()
+    kv_cache: str | None = None  # "fp8": calibrate per-layer FP8 KV cache scales (calibrated methods only)
     source: str = field(default="", compare=False)
 
     def targets_module(self, module: str, is_linear: bool) -> bool:
@@ -94,6 +96,8 @@ class Recipe:
         """The compressed-tensors `quantization_config` for config.json, built by the library itself."""
         from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
+        from quantize import kvcache
+
         qc = QuantizationConfig(
             config_groups={
                 "group_0": QuantizationScheme(
@@ -103,6 +107,7 @@ class Recipe:
             format="pack-quantized",
             quantization_status="compressed",
             ignore=list(self.ignore) + [p for p in extra_ignore if p not in self.ignore],
+            kv_cache_scheme=kvcache.scheme_args() if self.kv_cache else None,
         )
         return qc.model_dump(mode="json")
 
@@ -117,6 +122,8 @@ class Recipe:
         if self.method != "rtn":
             d[self.method] = vars(getattr(self, self.method))
             d["calibration"] = vars(self.calibration)
+        if self.kv_cache:
+            d["kv_cache"] = self.kv_cache
         return d
 
 
@@ -176,6 +183,11 @@ def from_dict(raw: object, where: str) -> Recipe:
     awq_params = _section(AWQParams, raw.get("awq"), "awq", where)
     if awq_params.n_grid < 2 or awq_params.max_tokens < 1:
         raise UsageError(f"{where}: awq needs n_grid >= 2 and max_tokens >= 1")
+    kv_cache = raw.get("kv_cache")
+    if kv_cache not in (None, *KV_CACHE):
+        raise UsageError(f"{where}: kv_cache {kv_cache!r} is not available; choose one of {KV_CACHE} or leave it out")
+    if kv_cache and method == "rtn":
+        raise UsageError(f"{where}: kv_cache scales are calibrated: use method gptq or awq with calibration data")
     calibration = _section(Calibration, raw.get("calibration"), "calibration", where)
     if calibration.num_samples < 1 or calibration.seq_len < 8 or calibration.min_expert_tokens < 0:
         raise UsageError(f"{where}: calibration needs num_samples >= 1, seq_len >= 8, min_expert_tokens >= 0")
@@ -189,6 +201,7 @@ def from_dict(raw: object, where: str) -> Recipe:
         targets=tuple(raw.get("targets") or ["Linear"]),
         ignore=tuple(raw.get("ignore", ["lm_head"])),
         description=str(raw.get("description", "")),
+        kv_cache=kv_cache,
         source=where,
     )
 

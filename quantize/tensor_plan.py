@@ -24,7 +24,7 @@ WORK_BYTES_PER_ELEMENT = 4 + 2 + 2 + 1 + 1
 class Entry:
     tensor: LogicalTensor
     role: arch.Role
-    action: str  # quantize | passthrough | keep | dequantize
+    action: str  # quantize | passthrough | keep | dequantize | kv_scale (made by the calibrated engine)
     outputs: tuple[TensorSpec, ...]
 
     @property
@@ -178,6 +178,8 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
                 f"it serves at TP {served or 'none'}; pick another --tp or group size"
             )
         warnings.append(f"TP {tp} is outside what Marlin kernels serve for these shapes (TP {served or 'none'})")
+    if recipe.kv_cache:
+        entries += kv_scale_entries(model, dtype)
     if recipe.method != "rtn":
         # the calibrated engine finishes one layer at a time: lay the output out layer by layer
         entries.sort(key=_layer_order)
@@ -185,6 +187,18 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
     plan = Plan(ckpt, model, recipe, entries, shards, _extra_ignore(model, list(ckpt.tensors)), served, warnings)
     check_memory(plan, workers, device)
     return plan
+
+
+def kv_scale_entries(model: arch.Model, dtype: str) -> list[Entry]:
+    """`self_attn.k_scale` and `v_scale` of every decoder layer: new tensors, [1] in the model dtype, that the
+    calibrated engine measures (quantize/kvcache.py)."""
+    out = []
+    for i in range(model.num_hidden_layers):
+        for leaf in ("k_scale", "v_scale"):
+            name = f"{model.prefix}model.layers.{i}.self_attn.{leaf}"
+            t = LogicalTensor(name, (1,), "float", {})
+            out.append(Entry(t, model.role(name, 1), "kv_scale", (TensorSpec(name, dtype, (1,)),)))
+    return out
 
 
 def _layer_order(e: Entry) -> int:

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from conftest import RECIPES, read_all
-from test_gptq import calibration_samples
+from test_gptq import calibration_samples, interrupted_run
 
 from quantize import calib, recipe
 from quantize.checkpoint import Checkpoint
@@ -118,19 +118,9 @@ def test_awq_resume_from_a_layer_checkpoint_gives_the_uninterrupted_bytes(fixtur
     samples = calib.load_samples(str(data), calib.load_tokenizer(src), 4, 32)
     clean = Calibrated(plan, samples, torch.device("cpu"))
     stream.run(plan, tmp_path / "clean", calibrated=clean)
-    meta, real = tmp_path / "out.partial" / "calib" / "layers.json", stream.write_shard
-
-    def dies_after_two_layers(*a, **k):
-        if meta.exists() and json.loads(meta.read_text())["next_layer"] >= 2:
-            raise OSError(5, "I/O error")
-        return real(*a, **k)
-
-    monkeypatch.setattr(stream, "write_shard", dies_after_two_layers)
-    failing = Calibrated(plan, samples, torch.device("cpu"))
-    with pytest.raises(OSError):
-        stream.run(plan, tmp_path / "out", calibrated=failing)
-    failing.close(ok=False)  # as the CLI does: waits for the layer checkpoint being written
-    monkeypatch.setattr(stream, "write_shard", real)
+    meta = tmp_path / "out.partial" / "calib" / "layers.json"
+    interrupted_run(plan, samples, tmp_path / "out", monkeypatch,
+                    lambda: meta.exists() and json.loads(meta.read_text())["next_layer"] >= 2)
     hook = Calibrated(plan, samples, torch.device("cpu"))
     stream.run(plan, tmp_path / "out", resume=True, calibrated=hook)
     assert hook.quantizer.stats.resumed_layers == 2

@@ -228,6 +228,24 @@ def _layers(plan):
     return layers
 
 
+def interrupted_run(plan, samples, out, monkeypatch, dies_when) -> None:
+    """stream.run into `out` whose shard writing fails (an I/O error) as soon as `dies_when()` holds; the hook
+    is then closed as the CLI does, which waits for a layer checkpoint still being written."""
+    real = stream.write_shard
+
+    def write_shard(*a, **k):
+        if dies_when():
+            raise OSError(5, "I/O error")
+        return real(*a, **k)
+
+    monkeypatch.setattr(stream, "write_shard", write_shard)
+    failing = Calibrated(plan, samples, torch.device("cpu"))
+    with pytest.raises(OSError):
+        stream.run(plan, out, calibrated=failing)
+    failing.close(ok=False)
+    monkeypatch.setattr(stream, "write_shard", real)
+
+
 def test_gptq_resume_after_a_failure_gives_the_uninterrupted_bytes(fixtures_dir, tmp_path, monkeypatch):
     """Finished shards are kept; the resumed run recomputes earlier layers (to rebuild the activations) but
     writes only what is missing, byte-identical to a run that never stopped."""
@@ -242,20 +260,8 @@ def test_gptq_resume_after_a_failure_gives_the_uninterrupted_bytes(fixtures_dir,
     plan = build(Checkpoint(src), r, 2**18)
     assert len(plan.shards) >= 4
     stream.run(plan, tmp_path / "clean", calibrated=Calibrated(plan, samples, torch.device("cpu")))
-    real, calls = stream.write_shard, []
-
-    def dies_on_eighth(*a, **k):
-        calls.append(1)
-        if len(calls) == 8:
-            raise OSError(5, "I/O error")
-        return real(*a, **k)
-
-    monkeypatch.setattr(stream, "write_shard", dies_on_eighth)
-    failing = Calibrated(plan, samples, torch.device("cpu"))
-    with pytest.raises(OSError):
-        stream.run(plan, tmp_path / "out", calibrated=failing)
-    failing.close(ok=False)  # as the CLI does: waits for the layer checkpoint being written
-    monkeypatch.setattr(stream, "write_shard", real)
+    calls = []
+    interrupted_run(plan, samples, tmp_path / "out", monkeypatch, lambda: calls.append(1) or len(calls) == 8)
     partial = tmp_path / "out.partial"
     saved = json.loads((partial / "calib" / "layers.json").read_text())
     assert saved["next_layer"] >= 1
@@ -287,19 +293,8 @@ def test_a_damaged_layer_checkpoint_is_refused_not_used(fixtures_dir, tmp_path, 
     src = fixtures_dir / "llama-bf16"
     samples = calib.load_samples(str(data), calib.load_tokenizer(src), 4, 32)
     plan = build(Checkpoint(src), r, 2**18)
-    real = stream.write_shard
-
-    def dies_after_first_layer(*a, **k):
-        if (tmp_path / "out.partial" / "calib" / "layers.json").exists():
-            raise OSError(5, "I/O error")
-        return real(*a, **k)
-
-    monkeypatch.setattr(stream, "write_shard", dies_after_first_layer)
-    failing = Calibrated(plan, samples, torch.device("cpu"))
-    with pytest.raises(OSError):
-        stream.run(plan, tmp_path / "out", calibrated=failing)
-    failing.close(ok=False)  # as the CLI does: waits for the layer checkpoint being written
-    monkeypatch.setattr(stream, "write_shard", real)
+    interrupted_run(plan, samples, tmp_path / "out", monkeypatch,
+                    lambda: (tmp_path / "out.partial" / "calib" / "layers.json").exists())
     act = next((tmp_path / "out.partial" / "calib").glob("activations-*.safetensors"))
     data_ = bytearray(act.read_bytes())
     data_[-3] ^= 0x10  # one bit of the last sample's activations

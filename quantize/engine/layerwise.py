@@ -28,6 +28,7 @@ import psutil
 import torch
 from torch import nn
 
+from quantize import kvcache
 from quantize.engine.layer_state import CALIB_DIR, LayerCheckpoint, Resume, samples_key
 from quantize.errors import QuantizeError
 from quantize.quant import awq, gptq, pack, rtn
@@ -177,6 +178,7 @@ class LayerReport:
     experts_calibrated: int = 0
     fallbacks: list[str] = field(default_factory=list)
     tokens_per_expert: dict[int, int] = field(default_factory=dict)
+    kv_scale: list[float] | None = None  # FP8 KV cache (k_scale, v_scale) measured on this layer
 
 
 @dataclass
@@ -371,7 +373,7 @@ class LayerwiseQuantizer:
         layer = e.role.layer
         if layer is None or e.role.kind == "mtp":
             return None
-        if self.recipe.method == "gptq" and e.tensor.name not in self.targets:
+        if self.recipe.method == "gptq" and e.tensor.name not in self.targets and e.action != "kv_scale":
             return None  # GPTQ changes only what it quantizes; AWQ smoothing also rescales norms and routers
         with self.lock:  # writer threads ask concurrently; layers must run one at a time, in order
             if layer < self.resumed_from:
@@ -395,7 +397,13 @@ class LayerwiseQuantizer:
         else:
             self._gptq_layer(layer, i, targets, report)
         self._wait_for_checkpoint()  # the previous layer's checkpoint still reads the activations about to change
-        self._run(layer, i, advance=True)
+        if self.recipe.kv_cache:  # observed on the quantized layer, whose K and V are what serving caches
+            mla = self.config.qk_nope_head_dim if hasattr(layer.self_attn, "kv_a_layernorm") else None
+            with kvcache.observe(layer.self_attn, mla) as amax:
+                self._run(layer, i, advance=True)
+            self._kv_scales(i, amax, mla is not None, report)
+        else:
+            self._run(layer, i, advance=True)
         release_freed_memory()
         self.skeleton.model.layers[i] = nn.Module()  # drop the layer's weights
         report.seconds = time.perf_counter() - t0
@@ -406,6 +414,14 @@ class LayerwiseQuantizer:
                 self._wait_for_checkpoint()
         if self.on_layer:
             self.on_layer(report, self.model.num_hidden_layers)
+
+    def _kv_scales(self, i: int, amax: kvcache.Amax, mla: bool, report: LayerReport) -> None:
+        k, v = kvcache.scales(amax, self.dtype, mla)
+        report.kv_scale = [float(k), float(v)]
+        prefix = f"{self.model.prefix}model.layers.{i}.self_attn."
+        for name, t in ((prefix + "k_scale", k), (prefix + "v_scale", v)):
+            if name in self.entries and name not in self.written:
+                self.results[name] = [t]
 
     def _gptq_layer(self, layer: nn.Module, i: int, targets: dict[str, Entry], report: LayerReport) -> None:
         modules = dict(layer.named_modules())

@@ -62,6 +62,8 @@ class Result:
 def produce(plan: Plan, e: Entry, device: torch.device) -> list[torch.Tensor]:
     """The output tensors of one plan entry, in the order of `e.outputs`."""
     t = e.tensor
+    if e.action == "kv_scale":
+        raise AssertionError(f"{t.name} is measured by the calibrated engine, which did not produce it")
     if e.action == "keep":
         kept = read_tensor(t.main)
         plan.ckpt.check_finite(t, kept)
