@@ -108,11 +108,12 @@ def test_awq_output_loads_and_writes_the_rescaled_norms(kind, r, fixtures_dir, t
 
 
 def test_awq_resume_from_a_layer_checkpoint_gives_the_uninterrupted_bytes(fixtures_dir, tmp_path, monkeypatch):
-    """The checkpoint must carry what AWQ changed besides the quantized weights (rescaled norms and routers)."""
+    """The checkpoint must carry what AWQ changed besides the quantized weights (rescaled norms and routers) and
+    the FP8 KV cache scales (here of Kimi's MLA latent)."""
     rec = recipe.load(RECIPES / "kimi-k2-w4a16.yaml")
     data = calibration_samples(tmp_path)
-    rec = dataclasses.replace(rec, method="awq", calibration=dataclasses.replace(rec.calibration, data=str(data),
-                                                                                 num_samples=4, seq_len=32))
+    rec = dataclasses.replace(rec, method="awq", kv_cache="fp8",
+                              calibration=dataclasses.replace(rec.calibration, data=str(data), num_samples=4, seq_len=32))
     src = fixtures_dir / "kimi-k2-fp8"
     plan = build(Checkpoint(src), rec, 2**18)
     samples = calib.load_samples(str(data), calib.load_tokenizer(src), 4, 32)
@@ -127,3 +128,7 @@ def test_awq_resume_from_a_layer_checkpoint_gives_the_uninterrupted_bytes(fixtur
     assert hook.quantizer.stats.awq == clean.quantizer.stats.awq  # the resumed layers' searches are still reported
     for f in sorted((tmp_path / "clean").glob("*.safetensors")):
         assert f.read_bytes() == (tmp_path / "out" / f.name).read_bytes(), f.name
+    out = read_all(tmp_path / "out")
+    for i in range(plan.model.num_hidden_layers):  # MLA: one latent, one scale, measured on every layer
+        k, v = out[f"model.layers.{i}.self_attn.k_scale"], out[f"model.layers.{i}.self_attn.v_scale"]
+        assert torch.equal(k, v) and 0 < float(k) <= 1
