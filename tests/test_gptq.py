@@ -228,6 +228,18 @@ def _layers(plan):
     return layers
 
 
+def calibrated_plan(src, recipe_name: str, tmp_path, num_samples: int, seq_len: int, shard_size: int = 2**18):
+    """A GPTQ plan of `src` with small output shards, and its calibration samples."""
+    import dataclasses
+
+    data = calibration_samples(tmp_path)
+    r = recipe.load(RECIPES / f"{recipe_name}.yaml")
+    r = dataclasses.replace(r, method="gptq", calibration=dataclasses.replace(
+        r.calibration, data=str(data), num_samples=num_samples, seq_len=seq_len))
+    samples = calib.load_samples(str(data), calib.load_tokenizer(src), num_samples, seq_len)
+    return build(Checkpoint(src), r, shard_size), samples
+
+
 def interrupted_run(plan, samples, out, monkeypatch, dies_when) -> None:
     """stream.run into `out` whose shard writing fails (an I/O error) as soon as `dies_when()` holds; the hook
     is then closed as the CLI does, which waits for a layer checkpoint still being written."""
@@ -247,17 +259,10 @@ def interrupted_run(plan, samples, out, monkeypatch, dies_when) -> None:
 
 
 def test_gptq_resume_after_a_failure_gives_the_uninterrupted_bytes(fixtures_dir, tmp_path, monkeypatch):
-    """Finished shards are kept; the resumed run recomputes earlier layers (to rebuild the activations) but
-    writes only what is missing, byte-identical to a run that never stopped."""
-    import dataclasses
-
-    data = calibration_samples(tmp_path)
-    r = recipe.load(RECIPES / "kimi-k2-w4a16.yaml")
-    r = dataclasses.replace(r, method="gptq", calibration=dataclasses.replace(r.calibration, data=str(data),
-                                                                              num_samples=6, seq_len=48))
-    src = fixtures_dir / "kimi-k2-fp8"
-    samples = calib.load_samples(str(data), calib.load_tokenizer(src), 6, 48)
-    plan = build(Checkpoint(src), r, 2**18)
+    """Finished shards are kept and finished layers come from their checkpoint (results and the activations
+    entering the next layer): the resumed run writes only what is missing, byte-identical to one that never
+    stopped."""
+    plan, samples = calibrated_plan(fixtures_dir / "kimi-k2-fp8", "kimi-k2-w4a16", tmp_path, 6, 48)
     assert len(plan.shards) >= 4
     stream.run(plan, tmp_path / "clean", calibrated=Calibrated(plan, samples, torch.device("cpu")))
     calls = []
@@ -284,15 +289,7 @@ def test_gptq_resume_after_a_failure_gives_the_uninterrupted_bytes(fixtures_dir,
 
 
 def test_a_damaged_layer_checkpoint_is_refused_not_used(fixtures_dir, tmp_path, monkeypatch):
-    import dataclasses
-
-    data = calibration_samples(tmp_path)
-    r = recipe.load(RECIPES / "dense-w4a16.yaml")
-    r = dataclasses.replace(r, method="gptq", calibration=dataclasses.replace(r.calibration, data=str(data),
-                                                                              num_samples=4, seq_len=32))
-    src = fixtures_dir / "llama-bf16"
-    samples = calib.load_samples(str(data), calib.load_tokenizer(src), 4, 32)
-    plan = build(Checkpoint(src), r, 2**18)
+    plan, samples = calibrated_plan(fixtures_dir / "llama-bf16", "dense-w4a16", tmp_path, 4, 32)
     interrupted_run(plan, samples, tmp_path / "out", monkeypatch,
                     lambda: (tmp_path / "out.partial" / "calib" / "layers.json").exists())
     act = next((tmp_path / "out.partial" / "calib").glob("activations-*.safetensors"))
