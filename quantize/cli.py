@@ -478,7 +478,7 @@ def plan_(src, gpus, tp, dp, gpu, gpu_mem_gib, mem_fraction, overhead_gib, kv_bu
     \b
     Examples:
       quantize plan path/to/Kimi-K2-Instruct/config.json --kv-budget-gib 44.9
-      quantize plan zai-org/GLM-5-FP8-folder --weights recipes/glm-w4a16.yaml --gpu h200 --tp 8
+      quantize plan path/to/GLM-5-FP8 --weights recipes/glm-w4a16.yaml --gpu h200 --tp 8
     """
     from quantize import plan
 

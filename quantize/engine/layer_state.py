@@ -10,8 +10,8 @@ verified and renamed into place.
 """
 
 import hashlib
+import itertools
 import json
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +19,7 @@ import torch
 
 from quantize.errors import QuantizeError, UsageError
 from quantize.safetensors_file import DTYPE_NAMES, TensorSpec, read_header, read_tensor
+from quantize.verify import tensor_crc
 from quantize.writer import ShardWriter, write_json
 
 CALIB_DIR = "calib"
@@ -57,15 +58,15 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, int
     return {n: rec["crc32"] for n, rec in w.tensors.items()}
 
 
-def read_checked(path: Path, crcs: dict[str, int], names=None):
+def read_checked(path: Path, crcs: dict[str, int], names=None, header: dict | None = None):
     """Tensors of a checkpoint file, each checked against the crc32 recorded when it was written."""
-    header = read_header(path)
+    header = header if header is not None else read_header(path)
     for name in names if names is not None else crcs:
         info = header.get(name)
         if info is None or name not in crcs:
             raise QuantizeError(f"{path.name}: {name} is missing; the checkpoint is damaged: rerun with --overwrite")
         t = read_tensor(info)
-        if zlib.crc32(t.view(torch.uint8).numpy()) != crcs[name]:
+        if tensor_crc(t) != crcs[name]:
             raise QuantizeError(f"{path.name}: {name} does not match its checksum; the checkpoint is damaged: "
                                 "rerun with --overwrite")
         yield name, t
@@ -75,6 +76,7 @@ class LayerCheckpoint:
     def __init__(self, folder: Path, key: str):
         self.folder, self.key = folder, key
         self.meta: dict = {"samples": key, "next_layer": 0, "activations": {}, "results": {}, "stats": {}}
+        self._headers: dict[str, dict] = {}  # a results file's header, parsed once for all its tensors
 
     def load(self) -> Resume | None:
         """The saved point to continue from, or None when there is none; refuses another run's checkpoint."""
@@ -128,8 +130,12 @@ class LayerCheckpoint:
                                 "that shard must be written again; rerun with --overwrite")
         if name not in rec["tensors"]:
             return None
-        wanted = sorted((k for k in rec["crc32"] if k.rsplit("#", 1)[0] == name), key=lambda k: int(k.rsplit("#", 1)[1]))
-        return [t for _, t in read_checked(self.folder / rec["file"], rec["crc32"], wanted)]
+        crcs = rec["crc32"]
+        wanted = list(itertools.takewhile(crcs.__contains__, (f"{name}#{k}" for k in itertools.count())))
+        path = self.folder / rec["file"]
+        if rec["file"] not in self._headers:
+            self._headers[rec["file"]] = read_header(path)
+        return [t for _, t in read_checked(path, crcs, wanted, self._headers[rec["file"]])]
 
     def activations(self, resume: Resume):
         """(name, tensor) of the saved activations, in the order they were written."""

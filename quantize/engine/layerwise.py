@@ -94,13 +94,6 @@ class ActivationStore:
     def __len__(self) -> int:
         return len(self.items)
 
-    def nbytes(self) -> int:
-        return sum(math.prod(self._meta(i)[1]) * self._meta(i)[0].itemsize for i in range(len(self.items)))
-
-    def _meta(self, i: int) -> tuple[torch.dtype, tuple[int, ...]]:
-        item = self.items[i]
-        return item[1:] if self.kind == "disk" else (item.dtype, tuple(item.shape))
-
     def clear(self) -> None:
         if self.kind == "disk":
             for path, _, _ in self.items:
