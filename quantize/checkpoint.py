@@ -247,7 +247,7 @@ def decode_parts(t: LogicalTensor, parts: dict[str, torch.Tensor], fmt: SourceFo
     if t.encoding == "fp8-block":
         return fp8.dequantize_block(parts["tensor"], parts["scale"], fmt.block or (128, 128), dtype)
     if t.encoding == "ct-fp8":
-        if fmt.block and parts["scale"].ndim == 2 and parts["scale"].shape[1] > 1:
+        if fmt.block and tuple(parts["scale"].shape) == fp8.block_grid(t.shape, fmt.block):
             return fp8.dequantize_block(parts["tensor"], parts["scale"], fmt.block, dtype)
         return fp8.dequantize_scaled(parts["tensor"], parts["scale"], dtype)
     q = pack.unpack_int4(parts["weight_packed"])[:, : t.shape[1]]

@@ -192,7 +192,9 @@ def download(src: str, as_json: bool) -> None:
 @main.command()
 @click.argument("src")
 @click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False), help="Recipe YAML (see recipes/).")
-@click.option("--scheme", type=click.Choice(["w4a16"]), help="Quantize every Linear but lm_head (instead of --recipe).")
+@click.option("--scheme", type=click.Choice(recipes.SCHEMES),
+              help="Quantize every Linear but lm_head (instead of --recipe): w4a16 INT4 groups, or fp8-block (e4m3, "
+              "128x128 block scales, compressed-tensors FP8_BLOCK; for prefill servers).")
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True)
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
@@ -240,7 +242,9 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.argument("src")
 @click.argument("out_dir", metavar="OUT", type=click.Path(file_okay=False))
 @click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False), help="Recipe YAML (see recipes/).")
-@click.option("--scheme", type=click.Choice(["w4a16"]), help="Quantize every Linear but lm_head (instead of --recipe).")
+@click.option("--scheme", type=click.Choice(recipes.SCHEMES),
+              help="Quantize every Linear but lm_head (instead of --recipe): w4a16 INT4 groups, or fp8-block (e4m3, "
+              "128x128 block scales, compressed-tensors FP8_BLOCK; for prefill servers).")
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
               help="Columns per scale, with --scheme.")
 @click.option("--method", type=click.Choice(["rtn", "gptq", "awq"]), help="Overrides the recipe's method (default rtn).")
@@ -268,11 +272,17 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--kv-cache", type=click.Choice(["fp8"]),
               help="Also calibrate FP8 (e4m3) KV cache scales per layer (self_attn.k_scale / v_scale, kv_cache_scheme); "
               "gptq or awq only: the scales come from the calibration forwards.")
+@click.option("--prefill-out", type=click.Path(file_okay=False),
+              help="Also write an FP8 block variant here in the same pass over the source: prefill servers of a "
+              "disaggregated deployment run it, decode servers run OUT.")
+@click.option("--prefill-recipe", type=click.Path(dir_okay=False),
+              help="Recipe of the --prefill-out variant [FP8 blocks on every Linear but lm_head].")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_samples, seq_len, seed,
             calibrate_all_experts, min_expert_tokens, offload, trust_remote_code, device, devices, max_shard_size, workers,
-            tp, overwrite, resume, allow_nonfinite, kv_cache, as_json):
-    """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT.
+            tp, overwrite, resume, allow_nonfinite, kv_cache, prefill_out, prefill_recipe, as_json):
+    """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT, or to FP8 blocks (--scheme
+    fp8-block, compressed-tensors FP8_BLOCK), or both at once (--prefill-out: FP8 for prefill servers).
 
     \b
     Methods: rtn streams tensor by tensor (no data, no model). gptq and awq run the layerwise engine:
@@ -291,6 +301,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
       quantize convert ./Llama-3.1-8B out/llama-int4 --scheme w4a16 --group-size 128
       quantize convert ./SmolLM2 out/smol-gptq --scheme w4a16 --group-size 64 --method gptq --calib train.jsonl
       quantize convert zai-org/GLM-4.6 out/glm-int4 --recipe recipes/glm-w4a16.yaml --resume
+      quantize convert zai-org/GLM-5 out/glm5-int4 --recipe recipes/glm-w4a16.yaml --prefill-out out/glm5-fp8
     """
     from quantize import tensor_plan
     from quantize.engine import distributed, stream
@@ -319,15 +330,29 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         out_path = Path(out_dir)
         stream.prepare_check(out_path, resume, overwrite)
         folder, info = hub.resolve(src)
-        plan = tensor_plan.build(Checkpoint(folder, allow_nonfinite), r, max_shard_size, tp=tp, workers=workers, device=dev)
-        for w in plan.warnings:
-            err.print(f"[yellow]warning:[/] {w}", highlight=False)
-        err.print(
-            f"{plan.model.arch.family} ({plan.model.model_type}) {plan.ckpt.format.kind} -> {r.scheme.label} {r.method}: "
-            f"{plan.counts().get('quantize', 0) + plan.counts().get('passthrough', 0)} Linear weights to INT4, "
-            f"{len(plan.shards)} output shard(s); serves at TP {', '.join(map(str, plan.tp_served)) or 'none'}",
-            highlight=False,
-        )
+        ckpt = Checkpoint(folder, allow_nonfinite)
+        plan = tensor_plan.build(ckpt, r, max_shard_size, tp=tp, workers=workers, device=dev)
+        prefill = None
+        if prefill_out:
+            r2 = recipes.load(Path(prefill_recipe)) if prefill_recipe else r.fp8_block_variant()
+            if r2.method != "rtn":
+                raise click.UsageError("--prefill-recipe: the second output is written in the same pass, data-free; "
+                                       "give it method rtn")
+            stream.prepare_check(Path(prefill_out), resume, overwrite)
+            plan, plan2 = tensor_plan.pair(plan, tensor_plan.build(ckpt, r2, max_shard_size, tp=tp, workers=workers,
+                                                                   device=dev), max_shard_size)
+            prefill = (plan2, Path(prefill_out))
+        for p in [plan] + ([prefill[0]] if prefill else []):
+            for w in p.warnings:
+                err.print(f"[yellow]warning:[/] {w}", highlight=False)
+            pr = p.recipe
+            err.print(
+                f"{p.model.arch.family} ({p.model.model_type}) {p.ckpt.format.kind} -> {pr.scheme.label} {pr.method}: "
+                f"{p.counts().get('quantize', 0) + p.counts().get('passthrough', 0)} Linear weights to "
+                f"{'FP8' if pr.scheme.fp8_block else 'INT4'}, "
+                f"{len(p.shards)} output shard(s); serves at TP {', '.join(map(str, p.tp_served)) or 'none'}",
+                highlight=False,
+            )
         with Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), BytesOnly(DownloadColumn()),
             BytesOnly(TransferSpeedColumn()), TimeRemainingColumn(), console=err, transient=as_json,
@@ -338,6 +363,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             result = stream.run(
                 plan, out_path, device=dev, workers=workers, resume=resume, overwrite=overwrite, source_info=info,
                 progress=lambda done, total: bar.update(task, completed=done, total=total), calibrated=calibrated,
+                prefill=prefill,
             )
         ok = True
     except QuantizeError as e:
@@ -364,6 +390,8 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         "tp_served": result.tp_served,
         "warnings": result.warnings,
     }
+    if result.prefill:
+        report["prefill"] = result.prefill
     stats = calibrated.quantizer.stats if calibrated is not None and calibrated.quantizer is not None else None
     if stats is not None:
         report["calibration"] = {
@@ -394,6 +422,10 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         f"{result.gb_per_s:.2f} GB/s on {result.device}; serves at TP {', '.join(map(str, result.tp_served)) or 'none'}",
         highlight=False,
     )
+    if result.prefill:
+        pf = result.prefill
+        out.print(f"prefill variant ({pf['scheme']}): {pf['out']}, {gib(pf['output_bytes'])}, same pass; serves at TP "
+                  f"{', '.join(map(str, pf['tp_served'])) or 'none'}", highlight=False)
 
 
 @main.command()
@@ -438,7 +470,7 @@ def verify(out_dir, source, deep, workers, as_json):
     else:
         for f in report.findings:
             out.print(f.line(), highlight=False, soft_wrap=True)
-        summary = (f"{report.files} files, {report.tensors} tensors, {report.quantized_modules} packed modules, "
+        summary = (f"{report.files} files, {report.tensors} tensors, {report.quantized_modules} quantized modules, "
                    f"{report.bytes_hashed / 2**30:.2f} GiB hashed" + (f", {report.deep_checked} compared with the source"
                                                                      if deep else ""))
         out.print(f"[green]clean[/]: {summary}" if report.clean else f"[bold red]{len(report.findings)} finding(s)[/]: {summary}")
@@ -460,12 +492,14 @@ def verify(out_dir, source, deep, workers, as_json):
 @click.option("--kv-budget-gib", type=float, help="KV cache per GPU in GiB, instead of deriving it from memory.")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "both"]), default="both", show_default=True)
 @click.option("--weights", default="as-is", show_default=True,
-              help="'as-is' (the source's own format) or a recipe YAML to compare its INT4 output against it.")
+              help="'as-is' (the source's own format), 'fp8-block', or a recipe YAML to compare its output against it.")
+@click.option("--disaggregated", is_flag=True,
+              help="Show the prefill/decode pair: prefill on FP8 blocks of the recipe's targets, decode on --weights.")
 @click.option("--context-len", default=131072, show_default=True, help="Context per request, for max requests.")
 @click.option("--mtp", is_flag=True, help="Serve with MTP speculative decoding: the MTP layers' KV counts too.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def plan_(src, gpus, tp, dp, gpu, gpu_mem_gib, mem_fraction, overhead_gib, kv_budget_gib, kv_dtype, weights,
-          context_len, mtp, as_json):
+          disaggregated, context_len, mtp, as_json):
     """How many KV tokens and concurrent requests fit when SRC is served, with BF16 vs FP8 KV cache and the
     source vs INT4 weights, side by side. SRC is a checkpoint folder (headers only are read), a converted
     OUT, or a bare config.json (shapes come from transformers' model class on the meta device).
@@ -479,16 +513,18 @@ def plan_(src, gpus, tp, dp, gpu, gpu_mem_gib, mem_fraction, overhead_gib, kv_bu
     Examples:
       quantize plan path/to/Kimi-K2-Instruct/config.json --kv-budget-gib 44.9
       quantize plan path/to/GLM-5-FP8 --weights recipes/glm-w4a16.yaml --gpu h200 --tp 8
+      quantize plan path/to/GLM-5-FP8 --weights recipes/glm-w4a16.yaml --disaggregated
     """
     from quantize import plan
 
     try:
-        r = None if weights == "as-is" else recipes.load(Path(weights))
+        r = None if weights == "as-is" else (recipes.preset(weights, 128) if weights in recipes.SCHEMES and
+                                              not Path(weights).exists() else recipes.load(Path(weights)))
         setup = plan.Setup(gpus=gpus, tp=tp, dp=dp, gpu_mem_gib=gpu_mem_gib or plan.GPUS[gpu],
                            mem_fraction=mem_fraction, overhead_gib=overhead_gib, kv_budget_gib=kv_budget_gib,
                            context_len=context_len, mtp=mtp)
         kinds = ["bf16", "fp8"] if kv_dtype == "both" else [kv_dtype]
-        report = plan.capacity(Path(src), setup, kinds, r)
+        report = plan.capacity(Path(src), setup, kinds, r, disaggregated)
     except QuantizeError as e:
         fail(e)
     if as_json:
@@ -614,3 +650,4 @@ def _gate_table(run) -> None:
     out.print(t)
     out.print("[green]PASS[/]" if run.passed else "[bold red]FAIL[/]: " + "; ".join(
         f"{v.task} {v.metric}: {v.reason}" for v in run.verdicts if v.verdict != "pass"))
+

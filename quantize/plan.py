@@ -94,6 +94,11 @@ def _int4_bytes(shape: tuple[int, ...], num_bits: int, group_size: int, symmetri
     return n
 
 
+def _fp8_block_bytes(shape: tuple[int, ...], block: tuple[int, int]) -> int:
+    """e4m3 weight plus one BF16 scale per block (compressed-tensors FP8_BLOCK keeps the model dtype)."""
+    return math.prod(shape) + math.ceil(shape[0] / block[0]) * math.ceil(shape[1] / block[1]) * 2
+
+
 def source_format_bytes(cfg: dict):
     """bytes(name, shape, role) of a tensor under the checkpoint's own format, from its quantization_config."""
     qc = cfg.get("quantization_config") or {}
@@ -108,6 +113,8 @@ def source_format_bytes(cfg: dict):
         module = name.rpartition(".")[0]
         if role.linear and block and not any(s in module for s in skip):
             return numel + math.ceil(shape[0] / block[0]) * math.ceil(shape[1] / block[1]) * 4
+        if role.linear and weights and weights[0].get("block_structure") and not _ignored(ct_ignore, module):
+            return _fp8_block_bytes(shape, tuple(weights[0]["block_structure"]))
         if role.linear and weights and weights[0].get("num_bits") == 4 and not _ignored(ct_ignore, module):
             w = weights[0]
             return _int4_bytes(shape, 4, int(w["group_size"]), bool(w.get("symmetric", True)))
@@ -118,12 +125,15 @@ def source_format_bytes(cfg: dict):
 
 def recipe_bytes(recipe, include_mtp: bool = False):
     """bytes(name, shape, role) of a tensor after `quantize convert` with `recipe`: targeted Linears INT4 with
-    their group scales, everything else BF16 (FP8 sources are dequantized), MTP layers BF16 as in convert
-    (unless `include_mtp`, which quantizes them like the decoder layers, for comparison)."""
+    their group scales (or FP8 blocks, for an fp8-block recipe), everything else BF16 (FP8 sources are
+    dequantized), MTP layers BF16 as in convert (unless `include_mtp`, which quantizes them like the decoder
+    layers, for comparison)."""
 
     def nbytes(name: str, shape: tuple[int, ...], role: Role) -> int:
         if (include_mtp or role.kind != "mtp") and recipe.targets_module(role.module, role.linear):
             s = recipe.scheme
+            if s.fp8_block:
+                return _fp8_block_bytes(shape, tuple(s.block_structure))
             return _int4_bytes(shape, s.num_bits, s.group_size, s.symmetric)
         return math.prod(shape) * _float_bytes(name)
 
@@ -341,22 +351,31 @@ class Report:
                 "notes": self.notes}
 
 
-def _from_folder(folder, recipe):
+def _from_folder(folder):
     from quantize import tensor_plan
     from quantize.checkpoint import Checkpoint
 
     ckpt = Checkpoint(folder)
     model = arch.resolve(ckpt.config, list(ckpt.tensors))
     source = [Weight(n, t.shape, model.role(n, len(t.shape)), t.stored_bytes) for n, t in ckpt.tensors.items()]
-    target = None
-    if recipe is not None:
+
+    def under(recipe) -> list[Weight]:
         built = tensor_plan.build(ckpt, recipe, 1 << 62)
-        target = [Weight(e.tensor.name, e.tensor.shape, e.role, e.out_bytes) for e in built.entries]
-    return model, source, target, f"{ckpt.format.kind} checkpoint"
+        return [Weight(e.tensor.name, e.tensor.shape, e.role, e.out_bytes) for e in built.entries]
+
+    return model, source, under, f"{ckpt.format.kind} checkpoint"
 
 
-def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None) -> Report:
-    """The scenarios (source or recipe weights x KV dtypes) for a checkpoint folder or a config.json."""
+def _label(recipe) -> str:
+    s = recipe.scheme
+    return f"{recipe.name} ({'FP8 blocks' if s.fp8_block else f'INT4 g{s.group_size}'})"
+
+
+def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None, disaggregated: bool = False) -> Report:
+    """The scenarios (source or recipe weights x KV dtypes) for a checkpoint folder or a config.json.
+
+    `disaggregated`: the prefill / decode pair, prefill on FP8 blocks (the recipe's targets, or every Linear
+    without a recipe) and decode on the recipe's weights, each pool sized with the same setup."""
     import json
     from pathlib import Path
 
@@ -367,7 +386,7 @@ def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None) -> Report:
     if setup.gpus != setup.tp * setup.dp:
         raise UsageError(f"--gpus {setup.gpus} is not --tp {setup.tp} x --dp {setup.dp}")
     if path.is_dir() and any(path.glob("*.safetensors")):
-        model, source, target, what = _from_folder(path, recipe)
+        model, source, under, what = _from_folder(path)
         cfg = model.text_config
         layout = None
     else:
@@ -378,17 +397,26 @@ def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None) -> Report:
         model, layout = layout_from_config(full)
         cfg = model.text_config
         source = weights_of(model, layout, source_format_bytes(cfg))
-        target = weights_of(model, layout, recipe_bytes(recipe)) if recipe is not None else None
+
+        def under(r) -> list[Weight]:
+            return weights_of(model, layout, recipe_bytes(r))
+
         what = "config only: shapes from transformers' model class, " + (
             "FP8 blocks" if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8" else "as the config says")
     notes = []
-    scenarios = []
-    src_label = "source (" + _format_label(cfg) + ")"
-    for kv in kv_dtypes:
-        scenarios.append(scenario(src_label, source, cfg, kv, setup, model.num_mtp_layers))
-        if target is not None:
-            scenarios.append(scenario(f"{recipe.name} (INT4 g{recipe.scheme.group_size})", target, cfg, kv, setup,
-                                      model.num_mtp_layers))
+    rows = [("source (" + _format_label(cfg) + ")", source)]
+    if disaggregated:
+        prefill = recipe.fp8_block_variant() if recipe is not None else recipes.preset("fp8-block", 128)
+        rows.append(("prefill: " + _label(prefill), under(prefill)))
+        if recipe is not None:
+            rows.append(("decode: " + _label(recipe), under(recipe)))
+        notes.append("disaggregated serving: a prefill pool on FP8 block weights (W8A8 block GEMMs, compute-bound "
+                     "prompts) and a decode pool on " + ("the recipe's INT4 weights (less weight traffic per token)"
+                                                         if recipe is not None else "the source weights")
+                     + "; each row is one pool with this --gpus/--tp; `quantize convert --prefill-out` writes both")
+    elif recipe is not None:
+        rows.append((_label(recipe), under(recipe)))
+    scenarios = [scenario(label, w, cfg, kv, setup, model.num_mtp_layers) for kv in kv_dtypes for label, w in rows]
     if layout is None and (is_glm5(cfg) or is_kimi_k2(cfg)):
         _, layout = layout_from_config(cfg)
     all_int4 = rec_int4 = None

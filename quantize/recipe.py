@@ -7,7 +7,7 @@ exactly the split we made.
 """
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -53,9 +53,17 @@ class Scheme:
     symmetric: bool = True
     strategy: str = "group"
     type: str = "int"
+    block_structure: list[int] | None = None  # FP8_BLOCK: [128, 128]
+
+    @property
+    def fp8_block(self) -> bool:
+        """compressed-tensors FP8_BLOCK (float-quantized): e4m3 weights, one scale per 128x128 block."""
+        return self.type == "float"
 
     @property
     def label(self) -> str:
+        if self.fp8_block:
+            return "fp8 block {}x{}".format(*self.block_structure)
         return f"w{self.num_bits}a16 g{self.group_size} {'sym' if self.symmetric else 'asym'}"
 
     def args(self):
@@ -63,6 +71,8 @@ class Scheme:
         # imported here: compressed_tensors pulls in transformers (~3 s), which inspect and --help never need
         from compressed_tensors.quantization import QuantizationArgs
 
+        if self.fp8_block:
+            return self.preset_fp8_block()["weights"]
         return QuantizationArgs(
             num_bits=self.num_bits,
             group_size=self.group_size,
@@ -70,6 +80,14 @@ class Scheme:
             strategy=self.strategy,
             type=self.type,
         )
+
+    @staticmethod
+    def preset_fp8_block() -> dict:
+        """compressed-tensors' own FP8_BLOCK preset: static 128x128 weight blocks and dynamic per-token-group
+        activations, the pairing vLLM's and SGLang's block-FP8 kernels take."""
+        from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+        return PRESET_SCHEMES["FP8_BLOCK"]
 
 
 @dataclass(frozen=True)
@@ -98,24 +116,35 @@ class Recipe:
 
         from quantize import kvcache
 
+        if self.scheme.fp8_block:
+            fmt = "float-quantized"
+            group = QuantizationScheme(targets=list(self.targets), format=fmt, **self.scheme.preset_fp8_block())
+        else:
+            fmt = "pack-quantized"
+            group = QuantizationScheme(targets=list(self.targets), weights=self.scheme.args(), format=fmt)
         qc = QuantizationConfig(
-            config_groups={
-                "group_0": QuantizationScheme(
-                    targets=list(self.targets), weights=self.scheme.args(), format="pack-quantized"
-                )
-            },
-            format="pack-quantized",
+            config_groups={"group_0": group},
+            format=fmt,
             quantization_status="compressed",
             ignore=list(self.ignore) + [p for p in extra_ignore if p not in self.ignore],
             kv_cache_scheme=kvcache.scheme_args() if self.kv_cache else None,
         )
         return qc.model_dump(mode="json")
 
+    def fp8_block_variant(self) -> "Recipe":
+        """The prefill half of a disaggregated pair for this (decode) recipe: FP8 blocks on every Linear but
+        lm_head, the layout of the official FP8 releases (DeepSeek V3, Kimi K2, GLM-5-FP8). Keeping an INT4
+        recipe's ignore list instead would leave attention and shared experts in BF16: a prefill checkpoint
+        larger than the FP8 source (GLM-5: 729 vs 704 GiB). Pass a recipe with `--prefill-recipe` for another split."""
+        return replace(self, name=f"{self.name}-prefill-fp8", scheme=Scheme(**{"group_size": None, **FP8_BLOCK}),
+                       method="rtn", targets=("Linear",), ignore=("lm_head",), kv_cache=None,
+                       description=f"FP8 block prefill variant of {self.name}")
+
     def to_dict(self) -> dict:
         d = {
             "name": self.name,
             "method": self.method,
-            "scheme": vars(self.scheme),
+            "scheme": {k: v for k, v in vars(self.scheme).items() if k != "block_structure" or v is not None},
             "targets": list(self.targets),
             "ignore": list(self.ignore),
         }
@@ -134,9 +163,19 @@ def matches(pattern: str, name: str) -> bool:
 
 
 def _scheme(raw: object, where: str) -> Scheme:
+    if isinstance(raw, dict) and raw.get("type") == "float":
+        # group_size has no meaning for blocks; leave it out rather than carry the INT4 default
+        s = _section(Scheme, {"group_size": None, **raw}, "scheme", where)
+        if (s.num_bits, s.strategy, s.symmetric, s.group_size) != (8, "block", True, None) or s.block_structure != [128, 128]:
+            raise UsageError(f"{where}: the float scheme is FP8_BLOCK only: num_bits 8, type float, strategy block, "
+                             "block_structure [128, 128], symmetric, no group_size")
+        return s
     s = _section(Scheme, raw, "scheme", where)
+    if s.block_structure is not None:
+        raise UsageError(f"{where}: block_structure belongs to the FP8 block scheme (type float)")
     if s.num_bits != 4 or s.type != "int" or s.strategy != "group":
-        raise UsageError(f"{where}: only INT4 group schemes are supported (num_bits 4, type int, strategy group)")
+        raise UsageError(f"{where}: schemes are INT4 groups (num_bits 4, type int, strategy group) "
+                         "or FP8 blocks (num_bits 8, type float, strategy block, block_structure [128, 128])")
     if s.group_size not in GROUP_SIZES:
         raise UsageError(f"{where}: group_size {s.group_size} is not one vLLM's Marlin kernels serve; use one of {GROUP_SIZES}")
     return s
@@ -186,6 +225,10 @@ def from_dict(raw: object, where: str) -> Recipe:
     kv_cache = raw.get("kv_cache")
     if kv_cache not in (None, *KV_CACHE):
         raise UsageError(f"{where}: kv_cache {kv_cache!r} is not available; choose one of {KV_CACHE} or leave it out")
+    scheme = _scheme(raw.get("scheme", {}), where)
+    if scheme.fp8_block and method != "rtn":
+        raise UsageError(f"{where}: FP8 block weights are data-free (max per block, as compressed-tensors' FP8_BLOCK); "
+                         "use method rtn")
     if kv_cache and method == "rtn":
         raise UsageError(f"{where}: kv_cache scales are calibrated: use method gptq or awq with calibration data")
     calibration = _section(Calibration, raw.get("calibration"), "calibration", where)
@@ -196,7 +239,7 @@ def from_dict(raw: object, where: str) -> Recipe:
         awq=awq_params,
         calibration=calibration,
         name=str(raw.get("name") or Path(where).stem),
-        scheme=_scheme(raw.get("scheme", {}), where),
+        scheme=scheme,
         method=method,
         targets=tuple(raw.get("targets") or ["Linear"]),
         ignore=tuple(raw.get("ignore", ["lm_head"])),
@@ -217,10 +260,17 @@ def load(path: Path) -> Recipe:
     return from_dict(raw, str(path))
 
 
+SCHEMES = ("w4a16", "fp8-block")
+FP8_BLOCK = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}
+
+
 def preset(scheme: str, group_size: int, method: str = "rtn", symmetric: bool = True) -> Recipe:
-    """The recipe for `--scheme w4a16 --group-size G`: every Linear but lm_head."""
+    """The recipe for `--scheme w4a16 --group-size G` or `--scheme fp8-block`: every Linear but lm_head."""
+    if scheme == "fp8-block":
+        return from_dict({"name": "fp8-block", "method": method, "scheme": FP8_BLOCK, "targets": ["Linear"],
+                          "ignore": ["lm_head"]}, "--scheme fp8-block")
     if scheme != "w4a16":
-        raise UsageError(f"scheme {scheme!r} is not available; choose w4a16")
+        raise UsageError(f"scheme {scheme!r} is not available; choose one of {SCHEMES}")
     return from_dict(
         {
             "name": f"{scheme}-g{group_size}",

@@ -1,6 +1,7 @@
 """The conversion plan: for every tensor, what happens to it and what it becomes on disk, decided and
 validated before a byte is written (group size vs shapes, serving rules, memory)."""
 
+import dataclasses
 import math
 import re
 from collections import Counter
@@ -12,6 +13,7 @@ import torch
 from quantize import arch
 from quantize.checkpoint import Checkpoint, LogicalTensor
 from quantize.errors import QuantizeError, UsageError
+from quantize.quant import fp8
 from quantize.recipe import Recipe
 from quantize.safetensors_file import DTYPE_NAMES, TensorSpec
 
@@ -64,9 +66,13 @@ class Plan:
 
 
 def quantized_specs(name: str, shape: tuple[int, ...], recipe: Recipe, scale_dtype: str) -> tuple[TensorSpec, ...]:
-    """The pack-quantized tensors that replace `X.weight` [out, in]."""
+    """The tensors that replace `X.weight` [out, in]: pack-quantized INT4 (weight_packed, weight_scale,
+    weight_shape), or float-quantized FP8 blocks (weight in e4m3, weight_scale per 128x128 block)."""
     module = name.rpartition(".")[0]
     out_f, in_f = shape
+    if recipe.scheme.fp8_block:
+        grid = fp8.block_grid(shape, tuple(recipe.scheme.block_structure))
+        return TensorSpec(name, "F8_E4M3", shape), TensorSpec(f"{module}.weight_scale", scale_dtype, grid)
     g = recipe.scheme.group_size
     specs = [
         TensorSpec(f"{module}.weight_packed", "I32", (out_f, in_f * recipe.scheme.num_bits // 32)),
@@ -80,6 +86,8 @@ def quantized_specs(name: str, shape: tuple[int, ...], recipe: Recipe, scale_dty
 
 def _same_scheme(ckpt: Checkpoint, recipe: Recipe) -> bool:
     f, s = ckpt.format, recipe.scheme
+    if s.fp8_block:
+        return f.kind == "ct-fp8" and f.block == tuple(s.block_structure)
     return f.kind == "ct-int4" and (f.num_bits, f.group_size, f.symmetric) == (s.num_bits, s.group_size, s.symmetric)
 
 
@@ -102,6 +110,31 @@ def dense_tp_ok(entries: list[Entry], group_size: int, tp: int) -> bool:
             if in_f % tp or (in_f // tp) % 128 or (in_f // tp) % group_size or out_f % 64:
                 return False
         elif out_f % tp or (out_f // tp) % 64 or in_f % 128:
+            return False
+    return True
+
+
+# Linears vLLM and SGLang keep whole on every rank (MLA down-projections, the DSA indexer, MTP's eh_proj)
+REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa", "eh_proj", "indexer")
+
+
+def fp8_block_tp_ok(model: arch.Model, entries: list[Entry], tp: int, block: int = 128) -> bool:
+    """vLLM's validate_fp8_block_shape: at tp > 1 every rank's slice of a block-FP8 Linear starts on a block,
+    i.e. in / tp (row-parallel: o_proj, down_proj) or out / tp (column-parallel) is a multiple of 128; fused
+    MoE needs moe_intermediate / tp on a block."""
+    if tp == 1:
+        return True
+    for e in entries:
+        if e.action not in ("quantize", "passthrough") or any(r in e.role.module for r in REPLICATED):
+            continue
+        if e.role.kind == "expert":
+            inter = model.moe_intermediate_size
+            if inter is None or inter % tp or (inter // tp) % block:
+                return False
+            continue
+        out_f, in_f = e.tensor.shape
+        split = in_f if e.role.module.endswith(("o_proj", "down_proj")) else out_f
+        if split % tp or (split // tp) % block:
             return False
     return True
 
@@ -132,10 +165,10 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
     for name, t in ckpt.tensors.items():
         role = model.role(name, len(t.shape))
         if recipe.targets_module(role.module, role.linear):
-            if t.shape[1] % g:
+            if g is not None and t.shape[1] % g:
                 bad_groups.append(f"{name} (in_features {t.shape[1]})")
                 continue
-            if t.encoding == "ct-int4" and passthrough:
+            if passthrough and t.encoding == ckpt.format.kind:
                 specs = tuple(TensorSpec(p.name, p.dtype, p.shape) for p in t.parts.values())
                 entries.append(Entry(t, role, "passthrough", specs))
             else:
@@ -165,11 +198,19 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
         warnings.append(f"source weights already in this INT4 scheme are passed through as they are; {recipe.method} "
                         "is applied only to weights that are re-quantized")
     experts_quantized = any(e.role.kind == "expert" and e.action != "keep" for e in entries)
-    if experts_quantized:
+    if recipe.scheme.fp8_block:
+        served = [n for n in TP_SIZES if fp8_block_tp_ok(model, entries, n)]
+        if ckpt.format.kind in ("fp8-block", "ct-fp8") and not passthrough:
+            warnings.append("source is already FP8; re-quantizing its blocks compounds rounding (serve the source "
+                            "itself for prefill when its format loads)")
+    elif experts_quantized:
         served = [n for n in TP_SIZES if moe_tp_ok(model, g, n)]
     else:
         served = [n for n in TP_SIZES if dense_tp_ok(entries, g, n)]
     if tp is not None and tp not in served:
+        if recipe.scheme.fp8_block:
+            raise UsageError(f"--tp {tp} cannot serve this FP8 block output: some rank's slice of a Linear would not "
+                             f"start on a 128 block; it serves at TP {served or 'none'}")
         if experts_quantized:
             inter = model.moe_intermediate_size
             raise UsageError(
@@ -187,6 +228,31 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
     plan = Plan(ckpt, model, recipe, entries, shards, _extra_ignore(model, list(ckpt.tensors)), served, warnings)
     check_memory(plan, workers, device)
     return plan
+
+
+def pair(plan: Plan, prefill: Plan, max_shard_size: int) -> tuple[Plan, Plan]:
+    """Two plans over the same source laid out for one pass (engine/stream.py write_shard_pair): the prefill
+    plan's entries in the main plan's order and shard i of both holding the same source tensors, each shard
+    split where either output would pass max_shard_size. Entries with no twin (KV scales) never open a shard."""
+    assert plan.ckpt is prefill.ckpt, "a pair converts one source"
+    twins = {e.tensor.name: e for e in prefill.entries}
+    a: list[list[Entry]] = [[]]
+    b: list[list[Entry]] = [[]]
+    size = 0
+    for e in plan.entries:
+        twin = twins.get(e.tensor.name)
+        n = max(e.out_bytes, twin.out_bytes if twin else 0)
+        if twin is not None and a[-1] and size + n > max_shard_size:
+            a.append([])
+            b.append([])
+            size = 0
+        a[-1].append(e)
+        if twin is not None:
+            b[-1].append(twin)
+        size += n
+    assert sum(map(len, b)) == len(prefill.entries), "the prefill plan has tensors the main plan does not"
+    return (dataclasses.replace(plan, shards=a),
+            dataclasses.replace(prefill, entries=[e for s in b for e in s], shards=b))
 
 
 def kv_scale_entries(model: arch.Model, dtype: str) -> list[Entry]:

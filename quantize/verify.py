@@ -198,12 +198,15 @@ def _check_quantized(headers: dict[str, dict[str, TensorInfo]], config: dict, re
     """Every packed module has its scale and shape, sized as the scheme says, and finite nonzero scales."""
     find = report.findings.append
     qc = config.get("quantization_config") or {}
-    if qc.get("format") != "pack-quantized" or not _schemes(config):
-        find(Finding("config.json", None, "no compressed-tensors pack-quantized quantization_config"))
+    if qc.get("format") not in ("pack-quantized", "float-quantized") or not _schemes(config):
+        find(Finding("config.json", None, "no compressed-tensors pack-quantized or float-quantized quantization_config"))
+        return
+    infos = {t: info for h in headers.values() for t, info in h.items()}
+    if qc.get("format") == "float-quantized":
+        _check_fp8_blocks(infos, config, report)
         return
     groups = {w.get("group_size") for w in _schemes(config)}
     symmetric = {bool(w.get("symmetric", True)) for w in _schemes(config)}
-    infos = {t: info for h in headers.values() for t, info in h.items()}
     for name, packed in sorted(infos.items()):
         if not name.endswith(QUANTIZED_SUFFIX):
             continue
@@ -230,10 +233,43 @@ def _check_quantized(headers: dict[str, dict[str, TensorInfo]], config: dict, re
         if (zp is None) != (symmetric == {True}):
             what = "missing for an asymmetric scheme" if zp is None else "present for a symmetric scheme"
             find(Finding(file, module, f"zero point {what}"))
-        s = read_tensor(scale).float()
-        bad = [what for what, m in (("NaN", s.isnan()), ("Inf", s.isinf()), ("zero", s == 0)) if bool(m.any())]
-        if bad:
-            find(Finding(scale.path.name, f"{module}.weight_scale", f"{' and '.join(bad)} scale(s)"))
+        _check_scale(scale, module, report)
+
+
+def _check_scale(scale: TensorInfo, module: str, report: Report) -> None:
+    s = read_tensor(scale).float()
+    bad = [what for what, m in (("NaN", s.isnan()), ("Inf", s.isinf()), ("zero", s == 0)) if bool(m.any())]
+    if bad:
+        report.findings.append(Finding(scale.path.name, f"{module}.weight_scale", f"{' and '.join(bad)} scale(s)"))
+
+
+def _check_fp8_blocks(infos: dict[str, TensorInfo], config: dict, report: Report) -> None:
+    """float-quantized FP8 blocks: every e4m3 weight has its weight_scale, one per block of the scheme's
+    block_structure (edge blocks partial), with finite nonzero scales; nothing is also packed."""
+    from quantize.quant import fp8
+
+    find = report.findings.append
+    blocks = {tuple(w["block_structure"]) for w in _schemes(config) if w.get("block_structure")}
+    if len(blocks) != 1:
+        find(Finding("config.json", None, f"float-quantized scheme without one block_structure ({sorted(blocks)})"))
+        return
+    block = blocks.pop()
+    for name, w in sorted(infos.items()):
+        if name.endswith(QUANTIZED_SUFFIX):
+            find(Finding(w.path.name, name, "an INT4 packed weight in a float-quantized (FP8) checkpoint"))
+        if not name.endswith(".weight") or w.dtype not in ("F8_E4M3", "F8_E5M2"):
+            continue
+        report.quantized_modules += 1
+        module = name[: -len(".weight")]
+        scale = infos.get(f"{module}.weight_scale")
+        if scale is None:
+            find(Finding(w.path.name, module, "FP8 weight without its weight_scale"))
+            continue
+        if len(w.shape) != 2 or scale.shape != fp8.block_grid(w.shape, block):
+            find(Finding(w.path.name, module, f"weight_scale {list(scale.shape)} is not one per {block[0]}x{block[1]} "
+                         f"block of weight {list(w.shape)}"))
+            continue
+        _check_scale(scale, module, report)
 
 
 def _deep(headers: dict[str, dict[str, TensorInfo]], source: Path | None, manifest: dict, report: Report) -> None:
@@ -254,6 +290,10 @@ def _deep(headers: dict[str, dict[str, TensorInfo]], source: Path | None, manife
         return
     method = (manifest.get("recipe") or {}).get("method", "rtn")
     infos = {t: info for h in headers.values() for t, info in h.items()}
+    block = ((manifest.get("recipe") or {}).get("scheme") or {}).get("block_structure")
+    if block:
+        _deep_fp8(infos, ckpt, tuple(block), report)
+        return
     for name in sorted(t for t in infos if t.endswith(QUANTIZED_SUFFIX)):
         module = name[: -len(QUANTIZED_SUFFIX)]
         src_name = f"{module}.weight"
@@ -282,3 +322,27 @@ def _deep(headers: dict[str, dict[str, TensorInfo]], source: Path | None, manife
         rel = float((w - deq).norm() / w.norm().clamp(min=1e-30))
         if rel > 0.5:
             find(Finding(infos[name].path.name, module, f"relative error {rel:.2f} against the source (> 0.5)"))
+
+
+def _deep_fp8(infos: dict[str, TensorInfo], ckpt, block: tuple[int, int], report: Report) -> None:
+    """Each FP8 block weight, dequantized, within e4m3's rounding of the source: 2^-4 relative (3 mantissa bits)
+    plus the model-dtype division and scale (2^-7), and half a subnormal step (2^-10 of the block scale)."""
+    from quantize.quant import fp8
+
+    find = report.findings.append
+    for name in sorted(t for t, i in infos.items() if i.dtype == "F8_E4M3" and f"{t}_scale" in infos):
+        file = infos[name].path.name
+        if name not in ckpt.tensors:
+            find(Finding(file, name, "has no weight in the source"))
+            continue
+        w = ckpt.decode(ckpt.tensors[name], torch.device("cpu")).float()
+        scale = read_tensor(infos[f"{name}_scale"]).float()
+        deq = fp8.dequantize_block(read_tensor(infos[name]), scale, block, torch.float32)
+        report.deep_checked += 1
+        if not torch.isfinite(deq).all():
+            find(Finding(file, name, "dequantizes to NaN or Inf"))
+            continue
+        step = fp8.dequantize_block(torch.ones_like(w).to(torch.float8_e4m3fn), scale, block, torch.float32)
+        excess = (w - deq).abs() - (w.abs() * (2**-4 + 2**-7) + step * 2**-9)
+        if bool((excess > 0).any()):
+            find(Finding(file, name, f"{int((excess > 0).sum())} elements further from the source than FP8 rounding"))

@@ -137,9 +137,11 @@ import sys, torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
 from llmcompressor.entrypoints.model_free import model_free_ptq
-src, out, device, ignore = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(",")
+src, out, device, ignore, which = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(","), sys.argv[5]
 scheme = QuantizationScheme(targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
     weights=QuantizationArgs(num_bits=4, group_size=32, symmetric=True, strategy="group", type="int"))
+if which == "fp8-block":
+    scheme = "FP8_BLOCK"
 dequant = FP8BlockDequantizer(targets=[r"re:.*_proj$", r"re:.*kv_a_proj_with_mqa$"], dtype=torch.bfloat16)
 model_free_ptq(src, out, scheme=scheme, ignore=ignore, max_workers=1, device=device, converter=dequant)
 """
@@ -183,9 +185,11 @@ def compare_outputs(ours: Path, theirs: Path) -> dict:
     for name in common:
         with safe_open(a[name], "pt") as fa, safe_open(b[name], "pt") as fb:
             x, y = fa.get_tensor(name), fb.get_tensor(name)
+        if x.dtype == y.dtype == torch.float8_e4m3fn:
+            x, y = x.view(torch.uint8), y.view(torch.uint8)  # compare the bytes (fp8 has no CPU equality)
         if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
             differ.append(name)
-    packed = [n for n in common if n.endswith("weight_packed")]
+    packed = [n for n in common if n.endswith(("weight_packed", "weight_scale"))]
     return {"tensors_compared": len(common), "packed_compared": len(packed), "differ": len(differ),
             "differ_examples": differ[:5], "only_ours": len(set(a) - set(b)), "only_reference": len(set(b) - set(a))}
 
@@ -205,12 +209,19 @@ def bench_rtn(args) -> dict:
     ours_out, ref_out = work / "out-quantize", work / "out-model-free-ptq"
     for d in (ours_out, ref_out):
         shutil.rmtree(d, ignore_errors=True)
-    ours = measure([sys.executable, "-m", "quantize", "convert", str(src), str(ours_out), "--recipe", str(recipe),
+    if args.scheme == "fp8-block":
+        # every Linear but lm_head to FP8 blocks; model_free_ptq takes every 2-D weight, so routers and
+        # embeddings are named for it
+        what, ignore = ["--scheme", "fp8-block"], ["lm_head", r"re:.*mlp\.gate$", r"re:.*embed_tokens$"]
+    else:
+        what, ignore = ["--recipe", str(recipe)], KIMI_IGNORE
+    ours = measure([sys.executable, "-m", "quantize", "convert", str(src), str(ours_out), *what,
                     "--device", args.device, "--workers", str(args.workers), "--json"])
-    ref = measure([sys.executable, "-c", REFERENCE, str(src), str(ref_out), args.device, ",".join(KIMI_IGNORE)])
+    ref = measure([sys.executable, "-c", REFERENCE, str(src), str(ref_out), args.device, ",".join(ignore), args.scheme])
     result = {
         "input": {"path": str(src), "bytes": src_bytes, "shards": len(shards), "largest_shard": largest},
         "device": args.device,
+        "scheme": args.scheme,
         "quantize": {**ours, "gb_per_s": src_bytes / 1e9 / ours["seconds"]},
         "model_free_ptq": {**ref, "gb_per_s": src_bytes / 1e9 / ref["seconds"]},
         "speedup": ref["seconds"] / ours["seconds"],
@@ -453,6 +464,8 @@ def main() -> None:
     r.add_argument("--size-gb", type=float, default=2.2)
     r.add_argument("--device", default="cpu")
     r.add_argument("--workers", type=int, default=2)
+    r.add_argument("--scheme", choices=["w4a16", "fp8-block"], default="w4a16",
+                   help="w4a16: the Kimi recipe (routed experts INT4 g32); fp8-block: every Linear to FP8_BLOCK")
     r.add_argument("--work", default=".cache/bench")
     r.add_argument("--json", dest="json_out")
     for method, n in (("gptq", 128), ("awq", 32)):

@@ -24,7 +24,7 @@ from quantize.engine.layer_state import CALIB_DIR
 from quantize.engine.state import STATE_NAME, State, fingerprint
 from quantize.errors import QuantizeError, UsageError
 from quantize.hub import hub_sha256
-from quantize.quant import pack, rtn
+from quantize.quant import fp8, pack, rtn
 from quantize.safetensors_file import read_tensor
 from quantize.tensor_plan import Entry, Plan
 from quantize.verify import verify
@@ -53,14 +53,20 @@ class Result:
     counts: dict
     tp_served: list[int]
     warnings: list[str] = field(default_factory=list)
+    prefill: dict | None = None  # the second output of a pair: out, output_bytes, tp_served
 
     @property
     def gb_per_s(self) -> float:
         return self.src_bytes / 1e9 / max(self.seconds, 1e-9)
 
 
-def produce(plan: Plan, e: Entry, device: torch.device) -> list[torch.Tensor]:
-    """The output tensors of one plan entry, in the order of `e.outputs`."""
+def needs_decode(e: Entry) -> bool:
+    return e.action in ("quantize", "dequantize")
+
+
+def produce(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The output tensors of one plan entry, in the order of `e.outputs`; `w`, when given, is the source
+    tensor already decoded (by the other plan of a pair: one read for both outputs)."""
     t = e.tensor
     if e.action == "kv_scale":
         raise AssertionError(f"{t.name} is measured by the calibrated engine, which did not produce it")
@@ -70,10 +76,16 @@ def produce(plan: Plan, e: Entry, device: torch.device) -> list[torch.Tensor]:
         return [kept]
     if e.action == "passthrough":
         return list(plan.ckpt.read_parts(t).values())
-    w = plan.ckpt.decode(t, device).to(plan.ckpt.dtype)
+    if w is None:
+        w = plan.ckpt.decode(t, device)
+    w = w.to(plan.ckpt.dtype)
     if e.action == "dequantize":
         return [w]
     s = plan.recipe.scheme
+    if s.fp8_block:
+        block = tuple(s.block_structure)
+        scale = fp8.block_scale(w, block)
+        return [fp8.quantize_with_block_scale(w, scale, block), scale]
     scale, zero_point = rtn.group_qparams(w, s.group_size, s.num_bits, s.symmetric)
     q = rtn.quantize_groups(w, scale, zero_point, s.num_bits)
     out = [pack.pack_int4(q), scale, torch.tensor(t.shape, dtype=torch.int64)]
@@ -118,6 +130,46 @@ def write_shard(
         raise
 
 
+def write_shard_pair(
+    plan: Plan, prefill: Plan, index: int, paths: tuple[Path | None, Path | None], device: torch.device,
+    advance: Callable[[int], None], pool: ThreadPoolExecutor | None = None, depth: int = 1,
+    calibrated: Callable | None = None,
+) -> tuple[tuple | None, tuple | None]:
+    """Shard `index` of both outputs of a pair (tensor_plan.pair: the same source tensors in both), each source
+    tensor read and decoded once for the two; a path of None is a side already finished (a resume)."""
+    twins = {e.tensor.name: e for e in prefill.shards[index]}
+    entries = plan.shards[index]
+    sides = [(p, path, ShardWriter(path, [s for e in p.shards[index] for s in e.outputs]) if path else None)
+             for p, path in ((plan, paths[0]), (prefill, paths[1]))]
+
+    def make(e: Entry) -> tuple[list | None, list | None]:
+        twin = twins.get(e.tensor.name) if paths[1] else None
+        main = (calibrated(e) if calibrated is not None else None) if paths[0] else None
+        need_main = paths[0] is not None and main is None
+        w = None
+        if twin is not None and needs_decode(twin) and (not need_main or needs_decode(e)):
+            w = plan.ckpt.decode(e.tensor, device)
+        if need_main:
+            main = produce(plan, e, device, w if needs_decode(e) else None)
+        return main, (produce(prefill, twin, device, w) if twin is not None else None)
+
+    results = _in_order(pool, make, entries, depth) if pool is not None else (make(e) for e in entries)
+    try:
+        for e, made in zip(entries, results, strict=True):
+            twin = twins.get(e.tensor.name)
+            for (_, _, writer), got, entry in zip(sides, made, (e, twin), strict=True):
+                if writer is not None and got is not None:
+                    for spec, tensor in zip(entry.outputs, got, strict=True):
+                        writer.write(spec.name, tensor)
+            advance(e.tensor.stored_bytes)
+        return tuple((*w.close(), w.tensors) if w is not None else None for _, _, w in sides)
+    except BaseException:
+        for _, _, w in sides:
+            if w is not None:
+                w.abort()
+        raise
+
+
 def partial_dir(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
@@ -156,6 +208,56 @@ def prepare(out: Path, resume: bool, overwrite: bool) -> Path:
     return partial
 
 
+class _Output:
+    """One output folder of a run: its OUT.partial, its resume state and the shards still to write."""
+
+    def __init__(self, plan: Plan, out: Path, resume: bool, overwrite: bool):
+        self.plan, self.out, self.overwrite = plan, Path(out), overwrite
+        self.partial = prepare(self.out, resume, overwrite)
+        self.state = State.open(self.partial, plan_fingerprint(plan), resume)
+        self.names = plan.shard_names
+        self.todo = [i for i, n in enumerate(self.names) if not _still_good(self.partial / n, self.state.done.get(n))]
+
+    @property
+    def need_bytes(self) -> int:
+        return sum(e.out_bytes for i in self.todo for e in self.plan.shards[i])
+
+    def mark(self, i: int, written: tuple[int, str, dict]) -> None:
+        size, sha, tensors = written
+        self.state.mark(self.names[i], size=size, sha256=sha, tensors=tensors)
+
+    def finish(self, source_info: dict | None, source_hashes: Future) -> None:
+        """Index, config, side files and manifest; the fast verify; then the final name."""
+        plan, partial, names, state = self.plan, self.partial, self.names, self.state
+        weight_map = {s.name: names[i] for i, shard in enumerate(plan.shards) for e in shard for s in e.outputs}
+        write_index(partial, weight_map, plan.out_bytes)
+        write_json(partial / "config.json", output_config(plan.ckpt.config, plan.quantization_config()))
+        copied = copy_side_files(plan.ckpt.root, partial)
+        files = {n: {"size": state.done[n]["size"], "sha256": state.done[n]["sha256"]} for n in names}
+        for name in ["config.json", INDEX_NAME, *copied]:
+            files[name] = {"size": (partial / name).stat().st_size, "sha256": sha256_file(partial / name)}
+        write_json(
+            partial / MANIFEST_NAME,
+            {
+                "tool": "quantize",
+                "tool_version": __version__,
+                "libraries": library_versions(),
+                "source": (source_info or {"path": str(plan.ckpt.root)}) | {"files": source_hashes.result()},
+                "recipe": plan.recipe.to_dict(),
+                "files": files,
+                "tensors": {t: rec for n in names for t, rec in sorted(state.done[n].get("tensors", {}).items())},
+            },
+        )
+        # the fast verify, before the output takes its final name: structure, scheme, scales (hashes were taken
+        # from the bytes as they were written)
+        report = verify(partial, rehash=False, unlisted_ok=frozenset({STATE_NAME}))
+        if not report.clean:
+            lines = "; ".join(f.line() for f in report.findings[:3])
+            raise QuantizeError(f"output check failed, {len(report.findings)} finding(s): {lines}; kept in {partial}")
+        (partial / STATE_NAME).unlink()
+        finalize(partial, self.out, self.overwrite)
+
+
 def run(
     plan: Plan,
     out: Path,
@@ -167,24 +269,30 @@ def run(
     source_info: dict | None = None,
     progress: Callable[[int, int], None] | None = None,
     calibrated: Callable[[set[str]], Callable] | None = None,
+    prefill: tuple[Plan, Path] | None = None,
 ) -> Result:
     """Convert per `plan` into `out`. `progress(done_bytes, total_bytes)` is called from worker threads.
 
     `calibrated(partial, finished)`, for the calibrated methods, makes the per-entry producer of
     engine/layerwise.py once the destination is known to be usable; `finished()` names the tensors of the
-    output shards finished so far (by this run or before a resume)."""
-    out = Path(out)
+    output shards finished so far (by this run or before a resume).
+
+    `prefill=(plan2, out2)`: also write a second output (the FP8 prefill variant of a disaggregated pair) in the
+    same pass; the two plans come from tensor_plan.pair, so shard i of both holds the same source tensors."""
     t0 = time.perf_counter()
-    partial = prepare(out, resume, overwrite)
-    state = State.open(partial, plan_fingerprint(plan), resume)
-    names = plan.shard_names
-    todo = [i for i, n in enumerate(names) if not _still_good(partial / n, state.done.get(n))]
-    need = sum(e.out_bytes for i in todo for e in plan.shards[i])
-    free = shutil.disk_usage(partial).free
-    if need > free:
-        raise QuantizeError(
-            f"the output needs {need / 2**30:.1f} GiB more but {partial} has {free / 2**30:.1f} GiB free; free space and rerun"
-        )
+    if prefill is not None:
+        prepare_check(Path(out), resume, overwrite)
+        prepare_check(Path(prefill[1]), resume, overwrite)
+    main = _Output(plan, out, resume, overwrite)
+    second = _Output(*prefill, resume, overwrite) if prefill is not None else None
+    outputs = [main] + ([second] if second else [])
+    todo = sorted(set().union(*(o.todo for o in outputs)))
+    for o in outputs:
+        free = shutil.disk_usage(o.partial).free
+        need = sum(x.need_bytes for x in outputs if x.partial.stat().st_dev == o.partial.stat().st_dev)
+        if need > free:
+            raise QuantizeError(f"the output needs {need / 2**30:.1f} GiB more but {o.partial} has "
+                                f"{free / 2**30:.1f} GiB free; free space and rerun")
     total = sum(e.tensor.stored_bytes for e in plan.entries)
     done = [sum(e.tensor.stored_bytes for i, s in enumerate(plan.shards) if i not in todo for e in s)]
     lock = threading.Lock()
@@ -199,67 +307,52 @@ def run(
     source_hashes = _hash_source_in_background(plan.ckpt.root)
     dev = torch.device(device)
     produce_calibrated = None
-    finished_shards = [i for i in range(len(names)) if i not in todo]
+    finished_shards = [i for i in range(len(main.names)) if i not in main.todo]
 
     def finished() -> set[str]:
         return {e.tensor.name for i in list(finished_shards) for e in plan.shards[i]}
 
     if calibrated is not None:
         workers = 1  # the layer forwards use every core; one producer thread overlaps them with the writer
-        produce_calibrated = calibrated(partial, finished)
+        produce_calibrated = calibrated(main.partial, finished)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             for i in todo:
                 # one more in flight than workers, so that a tensor is ready whenever the writer is
-                size, sha, tensors = write_shard(plan, i, partial / names[i], dev, advance, pool, depth=workers + 1,
-                                                 calibrated=produce_calibrated)
-                state.mark(names[i], size=size, sha256=sha, tensors=tensors)
+                if second is None:
+                    written = write_shard(plan, i, main.partial / main.names[i], dev, advance, pool, depth=workers + 1,
+                                          calibrated=produce_calibrated)
+                    pair = (written,)
+                else:
+                    paths = tuple(o.partial / o.names[i] if i in o.todo else None for o in outputs)
+                    pair = write_shard_pair(plan, second.plan, i, paths, dev, advance, pool, depth=workers + 1,
+                                            calibrated=produce_calibrated)
+                for o, written in zip(outputs, pair, strict=True):
+                    if written is not None:
+                        o.mark(i, written)
                 finished_shards.append(i)
     finally:
         torch.set_num_threads(threads)
-    shutil.rmtree(partial / CALIB_DIR, ignore_errors=True)  # every shard is written: the layer checkpoints are done
-
-    weight_map = {s.name: names[i] for i, shard in enumerate(plan.shards) for e in shard for s in e.outputs}
-    write_index(partial, weight_map, plan.out_bytes)
-    write_json(partial / "config.json", output_config(plan.ckpt.config, plan.quantization_config()))
-    copied = copy_side_files(plan.ckpt.root, partial)
-    files = {n: {"size": state.done[n]["size"], "sha256": state.done[n]["sha256"]} for n in names}
-    for name in ["config.json", INDEX_NAME, *copied]:
-        files[name] = {"size": (partial / name).stat().st_size, "sha256": sha256_file(partial / name)}
-    write_json(
-        partial / MANIFEST_NAME,
-        {
-            "tool": "quantize",
-            "tool_version": __version__,
-            "libraries": library_versions(),
-            "source": (source_info or {"path": str(plan.ckpt.root)}) | {"files": source_hashes.result()},
-            "recipe": plan.recipe.to_dict(),
-            "files": files,
-            "tensors": {t: rec for n in names for t, rec in sorted(state.done[n].get("tensors", {}).items())},
-        },
-    )
-    # the fast verify, before the output takes its final name: structure, scheme, scales (hashes were taken
-    # from the bytes as they were written)
-    report = verify(partial, rehash=False, unlisted_ok=frozenset({STATE_NAME}))
-    if not report.clean:
-        lines = "; ".join(f.line() for f in report.findings[:3])
-        raise QuantizeError(f"output check failed, {len(report.findings)} finding(s): {lines}; kept in {partial}")
-    (partial / STATE_NAME).unlink()
-    finalize(partial, out, overwrite)
+    shutil.rmtree(main.partial / CALIB_DIR, ignore_errors=True)  # every shard is written: the layer checkpoints are done
+    for o in reversed(outputs):  # the prefill variant first: OUT appearing means both are there
+        o.finish(source_info, source_hashes)
     return Result(
-        out=out,
+        out=main.out,
         seconds=time.perf_counter() - t0,
         src_bytes=sum(e.tensor.stored_bytes for i in todo for e in plan.shards[i]),
         out_bytes=plan.out_bytes,
-        shards=len(names),
-        resumed_shards=len(names) - len(todo),
+        shards=len(main.names),
+        resumed_shards=len(main.names) - len(main.todo),
         device=str(dev),
         workers=workers,
         counts=dict(plan.counts()),
         tp_served=plan.tp_served,
         warnings=plan.warnings,
+        prefill=None if second is None else {"out": str(second.out), "recipe": second.plan.recipe.name,
+                                             "scheme": second.plan.recipe.scheme.label,
+                                             "output_bytes": second.plan.out_bytes, "tp_served": second.plan.tp_served},
     )
 
 

@@ -62,3 +62,35 @@ def dequantize_scaled(w: torch.Tensor, scale: torch.Tensor, dtype=torch.bfloat16
         assert s.shape in ((w.shape[0], 1), (w.shape[0],)), f"scale {tuple(scale.shape)} for weight {tuple(w.shape)}"
         s = s.reshape(w.shape[0], 1)
     return (to_float32(w) * s).to(dtype)
+
+
+# ---- compressed-tensors FP8_BLOCK (float-quantized): what `quantize convert --scheme fp8-block` writes ------------
+
+
+def block_grid(shape: tuple[int, ...], block: tuple[int, int] = (128, 128)) -> tuple[int, int]:
+    """Scale shape of a [out, in] weight with [bh, bw] blocks: edge blocks are partial."""
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def block_scale(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """Per-block scale in w.dtype, as compressed-tensors computes it for FP8_BLOCK: max |w| / 448 per block,
+    in the weight's dtype (a bf16 model gets bf16 scales), a zero block getting that dtype's eps.
+
+    Padding an edge block with zeros changes nothing: the range always contains 0."""
+    n_r, n_c = block_grid(w.shape, block)
+    x = _pad_to_blocks(w, block).view(n_r, block[0], n_c, block[1])
+    max_abs = x.abs().amax(dim=(1, 3))
+    scale = max_abs / torch.tensor(FP8_MAX, dtype=w.dtype, device=w.device)
+    eps = torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype, device=w.device)
+    return torch.where(scale == 0, eps, scale)
+
+
+def quantize_with_block_scale(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """fp8 e4m3 codes of w [out, in] under per-block scale [ceil(out/bh), ceil(in/bw)]: w / scale in w.dtype,
+    clamped to +-448, then cast (round to nearest even), as compressed-tensors' quantize does."""
+    rows, cols = w.shape
+    n_r, n_c = block_grid(w.shape, block)
+    assert scale.shape == (n_r, n_c), f"block scale {tuple(scale.shape)} does not fit weight {tuple(w.shape)}"
+    x = _pad_to_blocks(w, block).view(n_r, block[0], n_c, block[1])
+    q = (x / scale.view(n_r, 1, n_c, 1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(n_r * block[0], n_c * block[1])[:rows, :cols].contiguous()
