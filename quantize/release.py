@@ -1,0 +1,251 @@
+"""`quantize release`: the CI job that turns a checkpoint into a gated, documented Hub release.
+
+Steps, in order, each recorded in the report: convert (resumable), verify, plan, eval gate, model card, upload.
+Nothing is uploaded unless every step before it passed; the report (JSON + Markdown) is written to the work
+dir whatever happens, for CI to keep as an artifact. Uploading goes through huggingface_hub: one commit holding
+every file (LFS uploads the Hub already has are skipped, so a re-run after a broken upload resumes), then a tag
+when asked. The token comes from HF_TOKEN or the HF cache and is never printed or written.
+"""
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from quantize.errors import QuantizeError, UsageError
+
+REPORT_JSON = "release-report.json"
+REPORT_MD = "release-report.md"
+CARD_DIR = "card"
+MODEL_DIR = "model"
+
+EXIT_RELEASED, EXIT_GATE_FAILED, EXIT_ERROR = 0, 1, 2
+
+
+@dataclass
+class Step:
+    name: str
+    status: str  # done | reused | resumed | passed | failed | skipped | dry-run
+    seconds: float = 0.0
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class Report:
+    src: str
+    repo_id: str
+    recipe: str
+    work_dir: str
+    dry_run: bool
+    steps: list[Step] = field(default_factory=list)
+    files: list[dict] = field(default_factory=list)  # what is (or would be) committed: path_in_repo, size, sha256
+    commit: dict | None = None
+    exit_code: int | None = None
+    error: str | None = None
+
+    def step(self, name: str) -> Step | None:
+        return next((s for s in self.steps if s.name == name), None)
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"released": self.exit_code == EXIT_RELEASED and not self.dry_run}
+
+    def markdown(self) -> str:
+        verdict = {EXIT_RELEASED: "dry run passed (nothing uploaded)" if self.dry_run else "released",
+                   EXIT_GATE_FAILED: "gate failed: nothing uploaded", EXIT_ERROR: "error: nothing uploaded"}
+        lines = [f"# Release of {self.src} as {self.repo_id}", "",
+                 f"Outcome: **{verdict.get(self.exit_code, 'unfinished')}**" + (f": {self.error}" if self.error else ""),
+                 "", "| step | status | seconds |", "|---|---|---|"]
+        lines += [f"| {s.name} | {s.status} | {s.seconds:.1f} |" for s in self.steps]
+        if self.files:
+            lines += ["", f"Files ({len(self.files)}, {sum(f['size'] for f in self.files) / 2**30:.2f} GiB):", ""]
+            lines += [f"- `{f['path_in_repo']}` ({f['size']:,} B, sha256 {f['sha256'][:12]})" for f in self.files]
+        if self.commit:
+            lines += ["", f"Commit: {self.commit.get('url') or self.commit.get('oid')}" +
+                      (f", tag `{self.commit['tag']}`" if self.commit.get("tag") else "")]
+        gate = self.step("eval")
+        if gate and gate.detail.get("markdown"):
+            lines += ["", gate.detail["markdown"]]
+        return "\n".join(lines) + "\n"
+
+    def write(self, work_dir: Path) -> None:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        for name, text in ((REPORT_JSON, json.dumps(self.to_dict(), indent=1, default=str)), (REPORT_MD, self.markdown())):
+            tmp = work_dir / f".{name}.tmp"
+            tmp.write_text(text)
+            tmp.replace(work_dir / name)
+
+
+class Timer:
+    def __init__(self, report: Report, name: str):
+        self.report, self.step = report, Step(name, "running")
+        report.steps.append(self.step)
+        self.t0 = time.perf_counter()
+
+    def done(self, status: str, **detail) -> Step:
+        self.step.status, self.step.seconds = status, time.perf_counter() - self.t0
+        self.step.detail.update(detail)
+        return self.step
+
+
+# ---- the model card ---------------------------------------------------------------------------------------
+
+
+def base_model_id(src: str, folder: Path) -> str | None:
+    """The Hub id of the source: SRC itself, or the repo an HF-cache snapshot folder belongs to."""
+    from quantize import hub
+
+    if hub.is_repo_id(src) and not Path(src).expanduser().exists():
+        return hub.split_revision(src)[0]
+    parts = Path(folder).resolve().parts
+    for i, p in enumerate(parts):
+        if p.startswith("models--") and i + 2 < len(parts) and parts[i + 1] == "snapshots":
+            return p[len("models--"):].replace("--", "/", 1)
+    return None
+
+
+def source_license(folder: Path) -> str | None:
+    """The licence in the source's model card front matter (what the Hub shows), if it has one."""
+    from huggingface_hub import ModelCard
+
+    readme = Path(folder) / "README.md"
+    if not readme.is_file():
+        return None
+    try:
+        return ModelCard.load(readme).data.license
+    except Exception:  # a card the Hub's own parser rejects carries no licence we can trust
+        return None
+
+
+def serving_commands(repo_id: str, tp_sizes: list[int], kv_fp8: bool, remote_code: bool) -> str:
+    tp = max((t for t in tp_sizes if t <= 8), default=1)
+    flags_vllm = (" --kv-cache-dtype fp8" if kv_fp8 else "") + (" --trust-remote-code" if remote_code else "")
+    flags_sgl = (" --kv-cache-dtype fp8_e4m3" if kv_fp8 else "") + (" --trust-remote-code" if remote_code else "")
+    return "\n".join([
+        "```bash",
+        f"# vLLM (tensor parallel {tp}; the output serves at TP {', '.join(map(str, tp_sizes)) or 'none'})",
+        f"vllm serve {repo_id} --tensor-parallel-size {tp}{flags_vllm}",
+        "",
+        "# SGLang",
+        f"python -m sglang.launch_server --model-path {repo_id} --tp {tp}{flags_sgl}",
+        "```",
+    ])
+
+
+def model_card(*, repo_id: str, base_model: str | None, license: str | None, recipe, plan_summary: dict,
+               src_bytes: int, out_bytes: int, capacity, setup, gate_run, tp_sizes: list[int], remote_code: bool,
+               architecture: str) -> str:
+    """README.md for the release: Hub front matter (base_model, base_model_relation quantized, licence, tags)
+    and what a serving engineer needs: how it was made, sizes, what fits, accuracy, commands."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    from quantize import gate
+
+    s = recipe.scheme
+    fmt = "fp8" if s.fp8_block else "int4"
+    data = ModelCardData(
+        base_model=base_model, base_model_relation="quantized" if base_model else None, license=license,
+        library_name="transformers", pipeline_tag="text-generation",
+        tags=["compressed-tensors", fmt, "fp8-block" if s.fp8_block else "w4a16", recipe.method, "vllm", "sglang",
+              "quantize", architecture],
+    )
+    lines = [f"# {repo_id}", ""]
+    lines.append(f"{'FP8 block' if s.fp8_block else 'INT4 (W4A16)'} quantization of "
+                 f"{('[' + base_model + '](https://huggingface.co/' + base_model + ')') if base_model else 'its source'}"
+                 f" in the compressed-tensors `{'float-quantized' if s.fp8_block else 'pack-quantized'}` layout, "
+                 "which vLLM and SGLang load as-is. Made with `quantize release`.")
+    lines += ["", "## How it was quantized", "", "| | |", "|---|---|",
+              f"| recipe | `{recipe.name}` |", f"| method | {recipe.method} |", f"| scheme | {s.label} |",
+              f"| targets | {', '.join(f'`{t}`' for t in recipe.targets)} |",
+              f"| ignored | {', '.join(f'`{t}`' for t in recipe.ignore)} |"]
+    if recipe.method != "rtn":
+        c = recipe.calibration
+        lines.append(f"| calibration | {c.num_samples} samples x {c.seq_len} tokens of `{c.data}`, seed {c.seed} |")
+    if recipe.kv_cache:
+        lines.append("| KV cache | FP8 e4m3 scales per layer (`k_scale` / `v_scale`) |")
+    counts = plan_summary.get("quantized_modules_by_kind", {})
+    lines.append(f"| quantized Linears | {plan_summary.get('quantized_modules', 0):,} "
+                 f"({', '.join(f'{k} {v:,}' for k, v in counts.items())}) |")
+    lines += ["", "## Size", "", "| | weights on disk | bytes |", "|---|---|---|",
+              f"| source | {_size(src_bytes)} | {src_bytes:,} |",
+              f"| this release | {_size(out_bytes)} | {out_bytes:,} |",
+              f"| ratio | {out_bytes / max(src_bytes, 1):.3f} | |"]
+    if capacity is not None:
+        lines += ["", f"## What fits: {setup.gpus} GPU(s) of {setup.gpu_mem_gib:.1f} GiB, TP {setup.tp}, "
+                  f"memory fraction {setup.mem_fraction}", "",
+                  "| weights | KV cache | weights per GPU (GiB) | KV bytes per token per GPU | tokens that fit | "
+                  f"requests at {setup.context_len:,} |", "|---|---|---|---|---|---|"]
+        for sc in capacity.scenarios:
+            lines.append(f"| {sc.weights} | {sc.kv_dtype.upper()} | {sc.weights_per_gpu / 2**30:,.2f} | "
+                         f"{sc.kv.bytes_per_token:,} | {sc.total_tokens:,} | {sc.max_requests:,} |")
+        lines += ["", "From `quantize plan` (KV bytes per token as SGLang's memory pools count them)."]
+    if gate_run is not None and gate_run.verdicts:
+        lines += ["", gate.markdown(gate_run.verdicts, gate_run.meta.get("baseline") or "source", repo_id,
+                                    {k: gate_run.meta.get(k) for k in ("backend", "limit", "num_fewshot", "lm_eval")})]
+    lines += ["", "## Serve it", "", serving_commands(repo_id, tp_sizes, bool(recipe.kv_cache), remote_code)]
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"))
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**28 else f"{n / 2**20:,.1f} MiB"
+
+
+# ---- what gets committed ----------------------------------------------------------------------------------
+
+
+def upload_files(model_dir: Path, card: Path) -> list[dict]:
+    """Every file of the converted folder (the source's README replaced by the release card), sorted."""
+    from quantize.writer import sha256_file
+
+    files = [(p.name, p) for p in sorted(model_dir.iterdir()) if p.is_file() and p.name != "README.md"]
+    files.append(("README.md", card))
+    return [{"path_in_repo": name, "local": str(p), "size": p.stat().st_size, "sha256": sha256_file(p)}
+            for name, p in sorted(files)]
+
+
+def commit_message(report: Report, recipe) -> str:
+    return f"quantize release: {report.src} -> {recipe.scheme.label} ({recipe.method}, recipe {recipe.name})"
+
+
+def upload(repo_id: str, files: list[dict], message: str, description: str, *, private: bool, tag: str | None) -> dict:
+    """Create the repo if needed and commit every file in one commit; tag it when asked."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi()  # token: HF_TOKEN or the HF cache, resolved by huggingface_hub and never echoed here
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        ops = [CommitOperationAdd(path_in_repo=f["path_in_repo"], path_or_fileobj=f["local"]) for f in files]
+        info = api.create_commit(repo_id, operations=ops, commit_message=message, commit_description=description,
+                                 repo_type="model")
+        out = {"url": str(info.commit_url), "oid": info.oid}
+        if tag:
+            api.create_tag(repo_id, tag=tag, revision=info.oid, tag_message=message, exist_ok=True)
+            out["tag"] = tag
+        return out
+    except (HfHubHTTPError, ValueError, OSError) as e:  # ValueError: the Hub rejected the card's metadata
+        raise QuantizeError(f"upload to {repo_id} failed: {str(e).splitlines()[0]}; rerun the release to resume "
+                            "(files the Hub already has are not sent again)") from e
+
+
+def check_token() -> None:
+    """Fail before hours of work when there is no token to upload with (the value itself is never shown)."""
+    from huggingface_hub import get_token
+
+    if not get_token():
+        raise UsageError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (or pass --dry-run)")
+
+
+def work_dir_for(work_dir: str | None, repo_id: str) -> Path:
+    return Path(work_dir) if work_dir else Path("release") / repo_id.replace("/", "--")
+
+
+def reusable(model_dir: Path, recipe) -> bool:
+    """A finished conversion in the work dir counts only if it was made with this very recipe."""
+    manifest = model_dir / "quantize-manifest.json"
+    if not manifest.is_file():
+        return False
+    try:
+        return json.loads(manifest.read_text()).get("recipe") == recipe.to_dict()
+    except ValueError:
+        return False
+
