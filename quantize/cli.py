@@ -694,117 +694,40 @@ def release(ctx, src, recipe_path, repo_id, gate_path, tasks, backend, eval_tp, 
       quantize release fixtures/llama-bf16 --recipe recipes/dense-w4a16.yaml --repo-id me/tiny --dry-run \\
           --tasks arc_challenge --limit 2 --data-dir ../shared/data --device cpu
     """
-    import time
-
-    from quantize import gate, plan, tensor_plan
+    from quantize import plan
     from quantize import release as rel
-    from quantize.engine.stream import partial_dir
-    from quantize.verify import verify
 
-    work = rel.work_dir_for(work_dir, repo_id)
-    report = rel.Report(src=src, repo_id=repo_id, recipe=str(recipe_path), work_dir=str(work), dry_run=dry_run)
-
-    def finish(code: int, error: str | None = None) -> None:
-        report.exit_code, report.error = code, error
-        for s in report.steps:
-            if s.status == "running":
-                s.status = "failed"
-        report.write(work)
-        if error:
-            err.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
-        err.print(f"report: {work / rel.REPORT_MD}", highlight=False)
-        sys.exit(code)
+    def convert_into(out_dir: Path, resume: bool) -> None:
+        try:
+            ctx.invoke(convert, src=src, out_dir=str(out_dir), recipe_path=recipe_path, calib=calib,
+                       device=resolve_device(device), resume=resume, overwrite=not resume, max_shard_size=max_shard_size)
+        except SystemExit as e:  # convert reported its own error
+            if e.code:
+                raise QuantizeError(f"convert failed (exit {e.code}); rerun the release to resume it") from None
 
     try:
-        if not hub.REPO_ID.match(repo_id) or "@" in repo_id:
-            raise click.UsageError(f"--repo-id {repo_id!r}: expected ORG/NAME")
-        if not dry_run:
-            rel.check_token()
-        r = recipes.load(Path(recipe_path))
-        if calib:
-            r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, data=calib))
-        task_list = [t.strip() for t in tasks.split(",") if t.strip()]
-        gate.load_gate(gate_path, task_list)  # a bad gate file fails now, not after the conversion
-        dev = resolve_device(device)
-        folder, _ = hub.resolve(src)
-        ckpt = Checkpoint(folder)
-        planned = tensor_plan.build(ckpt, r, max_shard_size, device=dev)  # refuses a recipe that cannot apply
-        model_dir = work / rel.MODEL_DIR
-        work.mkdir(parents=True, exist_ok=True)
-
-        step = rel.Timer(report, "convert")
-        if model_dir.is_dir() and rel.reusable(model_dir, r):
-            step.done("reused", out=str(model_dir))
-        else:
-            resume = partial_dir(model_dir).is_dir()
-            try:
-                ctx.invoke(convert, src=str(folder), out_dir=str(model_dir), recipe_path=recipe_path, calib=calib,
-                           device=dev, resume=resume, overwrite=not resume,
-                           max_shard_size=max_shard_size)
-            except SystemExit as e:
-                if e.code:
-                    raise QuantizeError(f"convert failed (exit {e.code}); rerun the release to resume it") from None
-            step.done("resumed" if resume else "done", out=str(model_dir))
-
-        step = rel.Timer(report, "verify")
-        checked = verify(model_dir)
-        if not checked.clean:
-            step.done("failed", findings=[f.line() for f in checked.findings[:20]])
-            raise QuantizeError(f"verify found {len(checked.findings)} problem(s) in {model_dir}, e.g. "
-                                f"{checked.findings[0].line()}; delete it and rerun")
-        step.done("passed", files=checked.files, tensors=checked.tensors, quantized_modules=checked.quantized_modules)
-
-        step = rel.Timer(report, "plan")
-        tp = max((t for t in planned.tp_served if t <= gpus), default=1)
-        setup = plan.Setup(gpus=gpus, tp=tp, dp=gpus // tp, gpu_mem_gib=plan.GPUS[gpu])
-        setup.gpus = setup.tp * setup.dp
-        capacity = plan.capacity(folder, setup, ["bf16", "fp8"], r)
-        step.done("done", setup={k: v for k, v in vars(setup).items() if k != "notes"},
-                  scenarios=[s.to_dict() for s in capacity.scenarios], tp_served=planned.tp_served)
-
-        step = rel.Timer(report, "eval")
-        run = gate.run_gate(str(model_dir), baseline=src, tasks=task_list, gate_path=gate_path, backend=backend,
-                            device=dev if backend == "hf" else "auto", limit=limit, tp=eval_tp,
-                            data_dir=Path(data_dir) if data_dir else None,
-                            status=lambda msg: err.print(msg, highlight=False))
-        md = gate.markdown(run.verdicts, src, repo_id, {k: run.meta[k] for k in ("backend", "limit", "lm_eval")})
-        step.done("passed" if run.passed else "failed", markdown=md, verdicts=[v.to_dict() for v in run.verdicts])
-        _gate_table(run)
-        if not run.passed:
-            finish(rel.EXIT_GATE_FAILED)
-
-        step = rel.Timer(report, "card")
-        card = work / rel.CARD_DIR / "README.md"
-        card.parent.mkdir(parents=True, exist_ok=True)
-        card.write_text(rel.model_card(
-            repo_id=repo_id, base_model=rel.base_model_id(src, folder), license=rel.source_license(folder), recipe=r,
-            plan_summary=tensor_plan.summary(planned), src_bytes=ckpt.total_bytes,
-            out_bytes=sum(p.stat().st_size for p in model_dir.glob("*.safetensors")), capacity=capacity, setup=setup,
-            gate_run=run, tp_sizes=planned.tp_served, remote_code=bool(ckpt.config.get("auto_map")),
-            architecture=planned.model.model_type))
-        step.done("done", path=str(card))
-
-        step = rel.Timer(report, "upload")
-        files = rel.upload_files(model_dir, card)
-        report.files = [{k: v for k, v in f.items() if k != "local"} for f in files]
-        message = rel.commit_message(report, r)
-        if dry_run:
-            step.done("dry-run", commit_message=message, tag=revision_tag)
-            t = Table(title=f"dry run: would commit {len(files)} file(s) to {repo_id}", title_justify="left")
-            for col in ("file", "bytes", "sha256"):
-                t.add_column(col)
-            for f in files:
-                t.add_row(f["path_in_repo"], f"{f['size']:,}", f["sha256"][:16])
-            out.print(t)
-            out.print(f"commit message: {message}" + (f"; tag {revision_tag}" if revision_tag else ""), highlight=False)
-        else:
-            t0 = time.perf_counter()
-            report.commit = rel.upload(repo_id, files, message, f"Report: {rel.REPORT_MD} of the release job.",
-                                       private=private, tag=revision_tag)
-            step.done("done", seconds_upload=time.perf_counter() - t0)
-            out.print(f"released {repo_id}: {report.commit['url']}", highlight=False)
-    except click.UsageError as e:
-        finish(rel.EXIT_ERROR, e.format_message())
+        opts = rel.Options(
+            src=src, recipe_path=Path(recipe_path), repo_id=repo_id,
+            work_dir=rel.work_dir_for(work_dir, repo_id), gate_path=Path(gate_path) if gate_path else None,
+            tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), backend=backend, eval_tp=eval_tp,
+            device=resolve_device(device), calib=calib, data_dir=Path(data_dir) if data_dir else None, limit=limit,
+            gpus=gpus, gpu_mem_gib=plan.GPUS[gpu], private=private, tag=revision_tag, dry_run=dry_run,
+            max_shard_size=max_shard_size)
     except QuantizeError as e:
-        finish(rel.EXIT_ERROR, str(e))
-    finish(rel.EXIT_RELEASED)
+        fail(e)
+    report, files = rel.run(opts, convert_into, status=lambda msg: err.print(msg, highlight=False), on_gate=_gate_table)
+    if report.error:
+        err.print(f"[bold red]error:[/] {report.error}", highlight=False, soft_wrap=True)
+    if report.exit_code == rel.EXIT_RELEASED and dry_run:
+        t = Table(title=f"dry run: would commit {len(files)} file(s) to {repo_id}", title_justify="left")
+        for col in ("file", "bytes", "sha256"):
+            t.add_column(col)
+        for f in files:
+            t.add_row(f["path_in_repo"], f"{f['size']:,}", f["sha256"][:16])
+        out.print(t)
+        out.print(f"commit message: {report.step('upload').detail['commit_message']}"
+                  + (f"; tag {revision_tag}" if revision_tag else ""), highlight=False)
+    elif report.exit_code == rel.EXIT_RELEASED:
+        out.print(f"released {repo_id}: {report.commit['url']}", highlight=False)
+    err.print(f"report: {opts.work_dir / rel.REPORT_MD}", highlight=False)
+    sys.exit(report.exit_code)

@@ -103,3 +103,33 @@ def hub_sha256(path: Path) -> str | None:
         return None
     etag = path.resolve().name
     return etag if len(etag) == 64 and all(c in "0123456789abcdef" for c in etag) else None
+
+
+def upload_release(repo_id: str, files: list[dict], message: str, description: str, *, private: bool, tag: str | None) -> dict:
+    """Create the repo if needed and commit every file (`path_in_repo`, `local`) in one commit; tag it when
+    asked. LFS blobs the Hub already has are not sent again, so a rerun after a broken upload resumes."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi()  # token: HF_TOKEN or the HF cache, resolved by huggingface_hub and never echoed here
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
+        ops = [CommitOperationAdd(path_in_repo=f["path_in_repo"], path_or_fileobj=f["local"]) for f in files]
+        info = api.create_commit(repo_id, operations=ops, commit_message=message, commit_description=description,
+                                 repo_type="model")
+        out = {"url": str(info.commit_url), "oid": info.oid}
+        if tag:
+            api.create_tag(repo_id, tag=tag, revision=info.oid, tag_message=message, exist_ok=True)
+            out["tag"] = tag
+        return out
+    except (HfHubHTTPError, ValueError, OSError) as e:  # ValueError: the Hub rejected the card's metadata
+        raise QuantizeError(f"upload to {repo_id} failed: {str(e).splitlines()[0]}; rerun the release to resume "
+                            "(files the Hub already has are not sent again)") from e
+
+
+def check_token() -> None:
+    """Fail before hours of work when there is no token to upload with (the value itself is never shown)."""
+    from huggingface_hub import get_token
+
+    if not get_token():
+        raise UsageError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (or pass --dry-run)")

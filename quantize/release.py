@@ -9,7 +9,7 @@ when asked. The token comes from HF_TOKEN or the HF cache and is never printed o
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from quantize.errors import QuantizeError, UsageError
@@ -206,35 +206,6 @@ def commit_message(report: Report, recipe) -> str:
     return f"quantize release: {report.src} -> {recipe.scheme.label} ({recipe.method}, recipe {recipe.name})"
 
 
-def upload(repo_id: str, files: list[dict], message: str, description: str, *, private: bool, tag: str | None) -> dict:
-    """Create the repo if needed and commit every file in one commit; tag it when asked."""
-    from huggingface_hub import CommitOperationAdd, HfApi
-    from huggingface_hub.errors import HfHubHTTPError
-
-    api = HfApi()  # token: HF_TOKEN or the HF cache, resolved by huggingface_hub and never echoed here
-    try:
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        ops = [CommitOperationAdd(path_in_repo=f["path_in_repo"], path_or_fileobj=f["local"]) for f in files]
-        info = api.create_commit(repo_id, operations=ops, commit_message=message, commit_description=description,
-                                 repo_type="model")
-        out = {"url": str(info.commit_url), "oid": info.oid}
-        if tag:
-            api.create_tag(repo_id, tag=tag, revision=info.oid, tag_message=message, exist_ok=True)
-            out["tag"] = tag
-        return out
-    except (HfHubHTTPError, ValueError, OSError) as e:  # ValueError: the Hub rejected the card's metadata
-        raise QuantizeError(f"upload to {repo_id} failed: {str(e).splitlines()[0]}; rerun the release to resume "
-                            "(files the Hub already has are not sent again)") from e
-
-
-def check_token() -> None:
-    """Fail before hours of work when there is no token to upload with (the value itself is never shown)."""
-    from huggingface_hub import get_token
-
-    if not get_token():
-        raise UsageError("no Hugging Face token: set HF_TOKEN or run `hf auth login` (or pass --dry-run)")
-
-
 def work_dir_for(work_dir: str | None, repo_id: str) -> Path:
     return Path(work_dir) if work_dir else Path("release") / repo_id.replace("/", "--")
 
@@ -249,3 +220,123 @@ def reusable(model_dir: Path, recipe) -> bool:
     except ValueError:
         return False
 
+
+# ---- the job --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Options:
+    src: str
+    recipe_path: Path
+    repo_id: str
+    work_dir: Path
+    gate_path: Path | None = None
+    tasks: tuple[str, ...] = ("gsm8k", "mmlu", "arc_challenge")
+    backend: str = "hf"
+    eval_tp: int = 1
+    device: str = "cpu"
+    calib: str | None = None
+    data_dir: Path | None = None
+    limit: int | None = None
+    gpus: int = 8
+    gpu_mem_gib: float = 143771 / 1024  # an H200 as nvidia-smi counts it (plan.GPUS)
+    private: bool = False
+    tag: str | None = None
+    dry_run: bool = False
+    max_shard_size: int = 5 * 10**9
+
+
+def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) -> tuple[Report, list[dict]]:
+    """Every step in order; returns the report (its exit_code set) and the files committed or, in a dry run,
+    that would be. `convert(out, resume)` converts SRC into `out` (the CLI's convert command, with its
+    progress bars). Nothing is uploaded unless every earlier step passed; the report is written in all cases."""
+    from quantize import gate, hub, plan, tensor_plan
+    from quantize import recipe as recipes
+    from quantize.checkpoint import Checkpoint
+    from quantize.engine.stream import partial_dir
+    from quantize.verify import verify
+
+    report = Report(src=o.src, repo_id=o.repo_id, recipe=str(o.recipe_path), work_dir=str(o.work_dir), dry_run=o.dry_run)
+    files: list[dict] = []
+    try:
+        if not hub.REPO_ID.match(o.repo_id) or "@" in o.repo_id:
+            raise UsageError(f"--repo-id {o.repo_id!r}: expected ORG/NAME")
+        if not o.dry_run:
+            hub.check_token()
+        r = recipes.load(o.recipe_path)
+        if o.calib:
+            r = replace(r, calibration=replace(r.calibration, data=o.calib))
+        gate.load_gate(o.gate_path, list(o.tasks))  # a bad gate file fails now, not after the conversion
+        folder, _ = hub.resolve(o.src)
+        ckpt = Checkpoint(folder)
+        planned = tensor_plan.build(ckpt, r, o.max_shard_size, device=o.device)  # a recipe that cannot apply fails now
+        model_dir = o.work_dir / MODEL_DIR
+        o.work_dir.mkdir(parents=True, exist_ok=True)
+
+        step = Timer(report, "convert")
+        if model_dir.is_dir() and reusable(model_dir, r):
+            step.done("reused", out=str(model_dir))
+        else:
+            resume = partial_dir(model_dir).is_dir()
+            convert(model_dir, resume)
+            step.done("resumed" if resume else "done", out=str(model_dir))
+
+        step = Timer(report, "verify")
+        checked = verify(model_dir)
+        if not checked.clean:
+            step.done("failed", findings=[f.line() for f in checked.findings[:20]])
+            raise QuantizeError(f"verify found {len(checked.findings)} problem(s) in {model_dir}, e.g. "
+                                f"{checked.findings[0].line()}; delete it and rerun")
+        step.done("passed", files=checked.files, tensors=checked.tensors, quantized_modules=checked.quantized_modules)
+
+        step = Timer(report, "plan")
+        tp = max((t for t in planned.tp_served if t <= o.gpus), default=1)
+        setup = plan.Setup(gpus=o.gpus // tp * tp, tp=tp, dp=o.gpus // tp, gpu_mem_gib=o.gpu_mem_gib)
+        capacity = plan.capacity(folder, setup, ["bf16", "fp8"], r)
+        step.done("done", setup={k: v for k, v in vars(setup).items() if k != "notes"},
+                  scenarios=[sc.to_dict() for sc in capacity.scenarios], tp_served=planned.tp_served)
+
+        step = Timer(report, "eval")
+        gate_run = gate.run_gate(str(model_dir), baseline=o.src, tasks=list(o.tasks), gate_path=o.gate_path,
+                                 backend=o.backend, device=o.device if o.backend == "hf" else "auto", limit=o.limit,
+                                 tp=o.eval_tp, data_dir=o.data_dir, status=status)
+        md = gate.markdown(gate_run.verdicts, o.src, o.repo_id, {k: gate_run.meta[k] for k in ("backend", "limit", "lm_eval")})
+        step.done("passed" if gate_run.passed else "failed", markdown=md,
+                  verdicts=[v.to_dict() for v in gate_run.verdicts])
+        on_gate(gate_run)
+        if not gate_run.passed:
+            return _finish(report, o.work_dir, EXIT_GATE_FAILED), files
+
+        step = Timer(report, "card")
+        card = o.work_dir / CARD_DIR / "README.md"
+        card.parent.mkdir(parents=True, exist_ok=True)
+        card.write_text(model_card(
+            repo_id=o.repo_id, base_model=base_model_id(o.src, folder), license=source_license(folder), recipe=r,
+            plan_summary=tensor_plan.summary(planned), src_bytes=ckpt.total_bytes,
+            out_bytes=sum(p.stat().st_size for p in model_dir.glob("*.safetensors")), capacity=capacity, setup=setup,
+            gate_run=gate_run, tp_sizes=planned.tp_served, remote_code=bool(ckpt.config.get("auto_map")),
+            architecture=planned.model.model_type))
+        step.done("done", path=str(card))
+
+        step = Timer(report, "upload")
+        files = upload_files(model_dir, card)
+        report.files = [{k: v for k, v in f.items() if k != "local"} for f in files]
+        message = commit_message(report, r)
+        if o.dry_run:
+            step.done("dry-run", commit_message=message, tag=o.tag)
+        else:
+            report.commit = hub.upload_release(o.repo_id, files, message, f"Report: {REPORT_MD} of the release job.",
+                                               private=o.private, tag=o.tag)
+            step.done("done", commit=report.commit)
+        return _finish(report, o.work_dir, EXIT_RELEASED), files
+    except QuantizeError as e:
+        return _finish(report, o.work_dir, EXIT_ERROR, str(e)), files
+
+
+def _finish(report: Report, work_dir: Path, code: int, error: str | None = None) -> Report:
+    report.exit_code, report.error = code, error
+    for s in report.steps:
+        if s.status == "running":
+            s.status = "failed"
+    report.write(work_dir)
+    return report

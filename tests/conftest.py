@@ -70,3 +70,20 @@ def smollm2() -> Path:
         script = ROOT.parent / "shared" / "scripts" / "build_smollm2.py"
         subprocess.run([sys.executable, str(script), str(out)], check=True)
     return out
+
+
+def dies_on_call(monkeypatch, owner, name: str, n: int, run) -> None:
+    """`run()` with owner.name raising an I/O error on its n-th call (the shards before it are finished), then
+    owner.name restored: an interrupted conversion to resume."""
+    real, calls = getattr(owner, name), []
+
+    def dying(*a, **k):
+        calls.append(1)
+        if len(calls) == n:
+            raise OSError(5, "I/O error")
+        return real(*a, **k)
+
+    monkeypatch.setattr(owner, name, dying)
+    with pytest.raises(OSError):
+        run()
+    monkeypatch.setattr(owner, name, real)

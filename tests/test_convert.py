@@ -8,7 +8,7 @@ from compressed_tensors.compressors import PackedQuantizationCompressor
 from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
-from conftest import RECIPES, config_of, read_all
+from conftest import RECIPES, config_of, dies_on_call, read_all
 
 from quantize import recipe
 from quantize.checkpoint import Checkpoint
@@ -172,22 +172,10 @@ def test_resume_after_a_failure_finishes_with_identical_bytes(fixtures_dir, tmp_
     r = recipe.load(RECIPES / "kimi-k2-w4a16.yaml")
     plan = build(Checkpoint(fixtures_dir / "kimi-k2-fp8"), r, max_shard_size=2**20)
     stream.run(plan, tmp_path / "clean")
-    real = stream.write_shard
-    calls = []
-
-    def dies_on_third(plan, index, *a, **k):
-        calls.append(index)
-        if len(calls) == 3:
-            raise OSError(5, "I/O error")
-        return real(plan, index, *a, **k)
-
-    monkeypatch.setattr(stream, "write_shard", dies_on_third)
-    with pytest.raises(OSError):
-        stream.run(plan, tmp_path / "out")
+    dies_on_call(monkeypatch, stream, "write_shard", 3, lambda: stream.run(plan, tmp_path / "out"))
     assert not (tmp_path / "out").exists() and (tmp_path / "out.partial" / "state.json").exists()
     with pytest.raises(UsageError, match="--resume"):
         stream.run(plan, tmp_path / "out")
-    monkeypatch.setattr(stream, "write_shard", real)
     result = stream.run(plan, tmp_path / "out", resume=True)
     assert 2 <= result.resumed_shards < result.shards  # finished shards kept; the failed one redone
     for f in sorted((tmp_path / "clean").glob("*.safetensors")):

@@ -15,7 +15,7 @@ from compressed_tensors.quantization import QuantizationScheme
 from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from compressed_tensors.quantization.utils import calculate_qparams, maybe_pad_tensor_for_block_quant
-from conftest import RECIPES, config_of, read_all
+from conftest import RECIPES, config_of, dies_on_call, read_all
 from test_gptq import calibration_samples
 
 from quantize import calib, plan, recipe
@@ -247,18 +247,7 @@ def test_prefill_pair_beside_gptq_and_resume(fixtures_dir, tmp_path, monkeypatch
             hook.close()
 
     run("clean")
-    real, calls = stream.write_shard_pair, []
-
-    def dies_on_third(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            raise OSError(5, "I/O error")
-        return real(*a, **k)
-
-    monkeypatch.setattr(stream, "write_shard_pair", dies_on_third)
-    with pytest.raises(OSError):
-        run("out")
-    monkeypatch.setattr(stream, "write_shard_pair", real)
+    dies_on_call(monkeypatch, stream, "write_shard_pair", 3, lambda: run("out"))
     result = run("out", resume=True)
     assert result.resumed_shards == 2 and result.shards > 3
     for name in ("out", "out-fp8"):

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import yaml
 from click.testing import CliRunner
-from conftest import RECIPES, ROOT
+from conftest import RECIPES, ROOT, dies_on_call
 from huggingface_hub import ModelCard, constants
 from huggingface_hub.utils import _http
 
@@ -182,18 +182,7 @@ def test_release_dry_run_resumes_a_broken_conversion_and_errors(hub, source, tmp
 
     # a release job that died while converting: two of its shards are written
     plan = build(Checkpoint(source), recipe.load(RECIPES / "dense-w4a16.yaml"), 300_000)
-    real, calls = stream.write_shard, []
-
-    def dies_on_third(*a, **k):
-        calls.append(1)
-        if len(calls) == 3:
-            raise OSError(5, "I/O error")
-        return real(*a, **k)
-
-    monkeypatch.setattr(stream, "write_shard", dies_on_third)
-    with pytest.raises(OSError):
-        stream.run(plan, tmp_path / "work" / "model")
-    monkeypatch.setattr(stream, "write_shard", real)
+    dies_on_call(monkeypatch, stream, "write_shard", 3, lambda: stream.run(plan, tmp_path / "work" / "model"))
     lenient = gate_file(tmp_path, "lenient", {"max_drop": 100, "min_recovery": 0})
     result = CliRunner().invoke(main, release_args(source, tmp_path, lenient, "--dry-run", "--max-shard-size", "300KB"))
     assert result.exit_code == 0, result.output
