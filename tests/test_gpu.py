@@ -23,3 +23,16 @@ def test_cuda_conversion_is_byte_identical_to_cpu(fixtures_dir, converted, tmp_p
     assert files == sorted(p.name for p in (tmp_path / "cuda").glob("*.safetensors"))
     for f in files:
         assert (cpu / f).read_bytes() == (tmp_path / "cuda" / f).read_bytes(), f
+
+
+def test_cuda_fp8_block_conversion_is_byte_identical_to_cpu(fixtures_dir, tmp_path):
+    """CPU twin: test_fp8_block.py::test_fp8_block_output_is_byte_identical_to_model_free_ptq (the same math
+    against compressed-tensors and llm-compressor); on CUDA the FP8 blocks and scales must be the CPU's bytes."""
+    outs = {}
+    for device in ("cpu", "cuda"):
+        plan = build(Checkpoint(fixtures_dir / "glm4-moe-bf16"), recipe.preset("fp8-block", 128), 2**20, device=device)
+        stream.run(plan, tmp_path / device, device=device)
+        outs[device] = sorted((tmp_path / device).glob("*.safetensors"))
+    assert [p.name for p in outs["cpu"]] == [p.name for p in outs["cuda"]]
+    for a, b in zip(outs["cpu"], outs["cuda"], strict=True):
+        assert a.read_bytes() == b.read_bytes(), a.name
