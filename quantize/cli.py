@@ -83,7 +83,8 @@ def load_recipe(recipe_path: str | None, scheme: str | None, group_size: int, me
 @click.version_option(__version__, prog_name="quantize")
 def main() -> None:
     """Quantize giant Mixture-of-Experts checkpoints (Kimi K2, GLM-4.x/5, DeepSeek V3, dense Llama/Qwen)
-    to INT4 in the compressed-tensors pack-quantized layout that vLLM and SGLang load as-is.
+    to INT4 (compressed-tensors pack-quantized) or FP8 blocks (float-quantized), the layouts vLLM and SGLang
+    load as-is; plan what fits on the GPUs, gate on accuracy, and release to the Hub.
 
     \b
     Every command streams: memory is bounded by the largest tensor, never by the model.
@@ -93,6 +94,8 @@ def main() -> None:
     Typical session:
       quantize inspect moonshotai/Kimi-K2-Instruct --recipe recipes/kimi-k2-w4a16.yaml
       quantize convert moonshotai/Kimi-K2-Instruct out/kimi-int4 --recipe recipes/kimi-k2-w4a16.yaml --tp 8
+      quantize verify out/kimi-int4 && quantize plan out/kimi-int4 --kv-dtype both
+      quantize release moonshotai/Kimi-K2-Instruct --recipe recipes/kimi-k2-w4a16.yaml --repo-id me/K2-W4A16
 
     Exit codes: 0 done, 1 the input or environment failed (message says what to do), 2 invalid request.
     """
