@@ -26,6 +26,7 @@ from quantize import __version__, hub
 from quantize import recipe as recipes
 from quantize.checkpoint import Checkpoint
 from quantize.errors import QuantizeError
+from quantize.plan import size_label
 
 GPU_CHOICES = ("h100", "h200", "b200")
 err = Console(stderr=True)
@@ -57,8 +58,6 @@ def fail(e: QuantizeError) -> None:
     sys.exit(e.exit_code)
 
 
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
 
 def resolve_device(device: str) -> str:
@@ -77,6 +76,12 @@ def load_recipe(recipe_path: str | None, scheme: str | None, group_size: int, me
     if recipe_path:
         return recipes.load(Path(recipe_path))
     return recipes.preset(scheme or "w4a16", group_size, method)
+
+
+SCHEME_OPTION = click.option(
+    "--scheme", type=click.Choice(recipes.SCHEMES),
+    help="Quantize every Linear but lm_head (instead of --recipe): w4a16 INT4 groups, or fp8-block (e4m3, 128x128 "
+    "block scales, compressed-tensors FP8_BLOCK; for prefill servers).")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -195,9 +200,7 @@ def download(src: str, as_json: bool) -> None:
 @main.command()
 @click.argument("src")
 @click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False), help="Recipe YAML (see recipes/).")
-@click.option("--scheme", type=click.Choice(recipes.SCHEMES),
-              help="Quantize every Linear but lm_head (instead of --recipe): w4a16 INT4 groups, or fp8-block (e4m3, "
-              "128x128 block scales, compressed-tensors FP8_BLOCK; for prefill servers).")
+@SCHEME_OPTION
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True)
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
@@ -228,13 +231,13 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
     t.add_row("layers", f"{s['num_hidden_layers']} + MTP {s['mtp_layers'] or 'none'}")
     if s["n_routed_experts"]:
         t.add_row("experts", f"{s['n_routed_experts']} routed, moe_intermediate_size {s['moe_intermediate_size']}")
-    t.add_row("source", f"{s['source_format']} ({s['dtype']}), {s['shards']} shard(s), {gib(s['bytes_on_disk'])} on disk")
+    t.add_row("source", f"{s['source_format']} ({s['dtype']}), {s['shards']} shard(s), {size_label(s['bytes_on_disk'])} on disk")
     t.add_row("parameters", f"{s['parameters'] / 1e9:.3f} B")
     for kind, n in s["parameters_by_kind"].items():
         t.add_row(f"  {kind}", f"{n / 1e6:,.2f} M")
     t.add_row("recipe", f"{s['recipe']}: {s['scheme']}")
     t.add_row("quantizes", ", ".join(f"{n} {k}" for k, n in s["quantized_modules_by_kind"].items()) or "nothing")
-    t.add_row("output", f"{gib(s['output_bytes'])} in {s['output_shards']} shard(s)")
+    t.add_row("output", f"{size_label(s['output_bytes'])} in {s['output_shards']} shard(s)")
     t.add_row("serves at TP", ", ".join(map(str, s["tp_served"])) or "none (Marlin rules)")
     out.print(t)
     for w in s["warnings"]:
@@ -245,9 +248,7 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.argument("src")
 @click.argument("out_dir", metavar="OUT", type=click.Path(file_okay=False))
 @click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False), help="Recipe YAML (see recipes/).")
-@click.option("--scheme", type=click.Choice(recipes.SCHEMES),
-              help="Quantize every Linear but lm_head (instead of --recipe): w4a16 INT4 groups, or fp8-block (e4m3, "
-              "128x128 block scales, compressed-tensors FP8_BLOCK; for prefill servers).")
+@SCHEME_OPTION
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
               help="Columns per scale, with --scheme.")
 @click.option("--method", type=click.Choice(["rtn", "gptq", "awq"]), help="Overrides the recipe's method (default rtn).")
@@ -420,14 +421,14 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         t.add_row(action, str(n))
     out.print(t)
     out.print(
-        f"{gib(plan.src_bytes)} -> {gib(result.out_bytes)} in {result.shards} shard(s)"
+        f"{size_label(plan.src_bytes)} -> {size_label(result.out_bytes)} in {result.shards} shard(s)"
         f"{f' ({result.resumed_shards} resumed)' if result.resumed_shards else ''}, {result.seconds:.1f} s, "
         f"{result.gb_per_s:.2f} GB/s on {result.device}; serves at TP {', '.join(map(str, result.tp_served)) or 'none'}",
         highlight=False,
     )
     if result.prefill:
         pf = result.prefill
-        out.print(f"prefill variant ({pf['scheme']}): {pf['out']}, {gib(pf['output_bytes'])}, same pass; serves at TP "
+        out.print(f"prefill variant ({pf['scheme']}): {pf['out']}, {size_label(pf['output_bytes'])}, same pass; serves at TP "
                   f"{', '.join(map(str, pf['tp_served'])) or 'none'}", highlight=False)
 
 
@@ -497,7 +498,7 @@ def verify(out_dir, source, deep, workers, as_json):
 @click.option("--weights", default="as-is", show_default=True,
               help="'as-is' (the source's own format), 'fp8-block', or a recipe YAML to compare its output against it.")
 @click.option("--disaggregated", is_flag=True,
-              help="Show the prefill/decode pair: prefill on FP8 blocks of the recipe's targets, decode on --weights.")
+              help="Show the prefill/decode pair: prefill on FP8 blocks of every Linear but lm_head, decode on --weights.")
 @click.option("--context-len", default=131072, show_default=True, help="Context per request, for max requests.")
 @click.option("--mtp", is_flag=True, help="Serve with MTP speculative decoding: the MTP layers' KV counts too.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")

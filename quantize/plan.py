@@ -22,6 +22,11 @@ from quantize.arch import Role
 
 GIB = 2**30
 
+
+def size_label(n: int) -> str:
+    """Bytes as GiB, or MiB below a quarter GiB (tiny test checkpoints)."""
+    return f"{n / GIB:,.2f} GiB" if n >= 2**28 else f"{n / 2**20:,.1f} MiB"
+
 # total memory of one GPU as nvidia-smi reports it (MiB / 1024)
 GPUS = {"h100": 81559 / 1024, "h200": 143771 / 1024, "b200": 183359 / 1024}
 
@@ -66,12 +71,13 @@ def kv_per_token(cfg: dict, kv_bytes: int, tp: int = 1, mtp_layers: int = 0) -> 
     return KV("gqa", layers, per_rank * (head_dim + v_head_dim) * layers * kv_bytes, detail)
 
 
-_REPLICATED = re.compile(r"(q_a_proj|kv_a_proj_with_mqa|\.indexer\.|eh_proj|mlp\.gate\.)")
+# tensors SGLang and vLLM keep whole on every TP rank: MLA down-projections, the DSA indexer, MTP's eh_proj, router
+REPLICATED = re.compile(r"(q_a_proj|kv_a_proj_with_mqa|\.indexer\.|eh_proj|mlp\.gate\.)")
 
 
 def rank_divisor(w: Weight, cfg: dict, tp: int) -> int:
     """How many ways TP splits this tensor (1: every rank holds all of it)."""
-    if len(w.shape) < 2 or _REPLICATED.search(w.name) or w.role.kind in ("norm", "router"):
+    if len(w.shape) < 2 or REPLICATED.search(w.name) or w.role.kind in ("norm", "router"):
         return 1
     if re.search(r"self_attn\.(k|v)_proj", w.name):
         kv_heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
@@ -94,9 +100,10 @@ def _int4_bytes(shape: tuple[int, ...], num_bits: int, group_size: int, symmetri
     return n
 
 
-def _fp8_block_bytes(shape: tuple[int, ...], block: tuple[int, int]) -> int:
-    """e4m3 weight plus one BF16 scale per block (compressed-tensors FP8_BLOCK keeps the model dtype)."""
-    return math.prod(shape) + math.ceil(shape[0] / block[0]) * math.ceil(shape[1] / block[1]) * 2
+def _fp8_block_bytes(shape: tuple[int, ...], block: tuple[int, int], scale_bytes: int = 2) -> int:
+    """e4m3 weight plus one scale per block: BF16 in compressed-tensors FP8_BLOCK (the model dtype), float32
+    in DeepSeek's own format."""
+    return math.prod(shape) + math.ceil(shape[0] / block[0]) * math.ceil(shape[1] / block[1]) * scale_bytes
 
 
 def source_format_bytes(cfg: dict):
@@ -112,7 +119,7 @@ def source_format_bytes(cfg: dict):
         numel = math.prod(shape)
         module = name.rpartition(".")[0]
         if role.linear and block and not any(s in module for s in skip):
-            return numel + math.ceil(shape[0] / block[0]) * math.ceil(shape[1] / block[1]) * 4
+            return _fp8_block_bytes(shape, block, scale_bytes=4)
         if role.linear and weights and weights[0].get("block_structure") and not _ignored(ct_ignore, module):
             return _fp8_block_bytes(shape, tuple(weights[0]["block_structure"]))
         if role.linear and weights and weights[0].get("num_bits") == 4 and not _ignored(ct_ignore, module):
@@ -374,8 +381,9 @@ def _label(recipe) -> str:
 def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None, disaggregated: bool = False) -> Report:
     """The scenarios (source or recipe weights x KV dtypes) for a checkpoint folder or a config.json.
 
-    `disaggregated`: the prefill / decode pair, prefill on FP8 blocks (the recipe's targets, or every Linear
-    without a recipe) and decode on the recipe's weights, each pool sized with the same setup."""
+    `disaggregated`: the prefill / decode pair, prefill on FP8 blocks of every Linear but lm_head
+    (Recipe.fp8_block_variant) and decode on the recipe's weights (or the source's), each pool sized with the
+    same setup."""
     import json
     from pathlib import Path
 

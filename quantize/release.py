@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from quantize.errors import QuantizeError, UsageError
+from quantize.plan import size_label
+from quantize.writer import MANIFEST_NAME
 
 REPORT_JSON = "release-report.json"
 REPORT_MD = "release-report.md"
@@ -77,7 +79,7 @@ class Report:
 
 class Timer:
     def __init__(self, report: Report, name: str):
-        self.report, self.step = report, Step(name, "running")
+        self.step = Step(name, "running")
         report.steps.append(self.step)
         self.t0 = time.perf_counter()
 
@@ -116,8 +118,7 @@ def source_license(folder: Path) -> str | None:
         return None
 
 
-def serving_commands(repo_id: str, tp_sizes: list[int], kv_fp8: bool, remote_code: bool) -> str:
-    tp = max((t for t in tp_sizes if t <= 8), default=1)
+def serving_commands(repo_id: str, tp: int, tp_sizes: list[int], kv_fp8: bool, remote_code: bool) -> str:
     flags_vllm = (" --kv-cache-dtype fp8" if kv_fp8 else "") + (" --trust-remote-code" if remote_code else "")
     flags_sgl = (" --kv-cache-dtype fp8_e4m3" if kv_fp8 else "") + (" --trust-remote-code" if remote_code else "")
     return "\n".join([
@@ -132,13 +133,11 @@ def serving_commands(repo_id: str, tp_sizes: list[int], kv_fp8: bool, remote_cod
 
 
 def model_card(*, repo_id: str, base_model: str | None, license: str | None, recipe, plan_summary: dict,
-               src_bytes: int, out_bytes: int, capacity, setup, gate_run, tp_sizes: list[int], remote_code: bool,
-               architecture: str) -> str:
+               src_bytes: int, out_bytes: int, capacity, setup, gate_markdown: str | None, tp_sizes: list[int],
+               remote_code: bool, architecture: str) -> str:
     """README.md for the release: Hub front matter (base_model, base_model_relation quantized, licence, tags)
     and what a serving engineer needs: how it was made, sizes, what fits, accuracy, commands."""
     from huggingface_hub import ModelCard, ModelCardData
-
-    from quantize import gate
 
     s = recipe.scheme
     fmt = "fp8" if s.fp8_block else "int4"
@@ -166,8 +165,8 @@ def model_card(*, repo_id: str, base_model: str | None, license: str | None, rec
     lines.append(f"| quantized Linears | {plan_summary.get('quantized_modules', 0):,} "
                  f"({', '.join(f'{k} {v:,}' for k, v in counts.items())}) |")
     lines += ["", "## Size", "", "| | weights on disk | bytes |", "|---|---|---|",
-              f"| source | {_size(src_bytes)} | {src_bytes:,} |",
-              f"| this release | {_size(out_bytes)} | {out_bytes:,} |",
+              f"| source | {size_label(src_bytes)} | {src_bytes:,} |",
+              f"| this release | {size_label(out_bytes)} | {out_bytes:,} |",
               f"| ratio | {out_bytes / max(src_bytes, 1):.3f} | |"]
     if capacity is not None:
         lines += ["", f"## What fits: {setup.gpus} GPU(s) of {setup.gpu_mem_gib:.1f} GiB, TP {setup.tp}, "
@@ -178,28 +177,30 @@ def model_card(*, repo_id: str, base_model: str | None, license: str | None, rec
             lines.append(f"| {sc.weights} | {sc.kv_dtype.upper()} | {sc.weights_per_gpu / 2**30:,.2f} | "
                          f"{sc.kv.bytes_per_token:,} | {sc.total_tokens:,} | {sc.max_requests:,} |")
         lines += ["", "From `quantize plan` (KV bytes per token as SGLang's memory pools count them)."]
-    if gate_run is not None and gate_run.verdicts:
-        lines += ["", gate.markdown(gate_run.verdicts, gate_run.meta.get("baseline") or "source", repo_id,
-                                    {k: gate_run.meta.get(k) for k in ("backend", "limit", "num_fewshot", "lm_eval")})]
-    lines += ["", "## Serve it", "", serving_commands(repo_id, tp_sizes, bool(recipe.kv_cache), remote_code)]
+    if gate_markdown:
+        lines += ["", gate_markdown]
+    lines += ["", "## Serve it", "", serving_commands(repo_id, setup.tp, tp_sizes, bool(recipe.kv_cache), remote_code)]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"))
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:,.2f} GiB" if n >= 2**28 else f"{n / 2**20:,.1f} MiB"
 
 
 # ---- what gets committed ----------------------------------------------------------------------------------
 
 
 def upload_files(model_dir: Path, card: Path) -> list[dict]:
-    """Every file of the converted folder (the source's README replaced by the release card), sorted."""
+    """Every file of the converted folder (the source's README replaced by the release card), sorted. Sizes and
+    sha256 come from the manifest, which `verify` has just checked against the bytes (a Kimi-sized output is
+    ~600 GB: hashing it again would cost as much as the verify); only the card and the manifest are hashed."""
     from quantize.writer import sha256_file
 
+    recorded = json.loads((model_dir / MANIFEST_NAME).read_text())["files"]
     files = [(p.name, p) for p in sorted(model_dir.iterdir()) if p.is_file() and p.name != "README.md"]
     files.append(("README.md", card))
-    return [{"path_in_repo": name, "local": str(p), "size": p.stat().st_size, "sha256": sha256_file(p)}
-            for name, p in sorted(files)]
+    out = []
+    for name, p in sorted(files):
+        rec = recorded.get(name) if p.parent == model_dir else None
+        out.append({"path_in_repo": name, "local": str(p), "size": rec["size"] if rec else p.stat().st_size,
+                    "sha256": rec["sha256"] if rec else sha256_file(p)})
+    return out
 
 
 def commit_message(report: Report, recipe) -> str:
@@ -212,7 +213,7 @@ def work_dir_for(work_dir: str | None, repo_id: str) -> Path:
 
 def reusable(model_dir: Path, recipe) -> bool:
     """A finished conversion in the work dir counts only if it was made with this very recipe."""
-    manifest = model_dir / "quantize-manifest.json"
+    manifest = model_dir / MANIFEST_NAME
     if not manifest.is_file():
         return False
     try:
@@ -300,7 +301,8 @@ def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) 
         gate_run = gate.run_gate(str(model_dir), baseline=o.src, tasks=list(o.tasks), gate_path=o.gate_path,
                                  backend=o.backend, device=o.device if o.backend == "hf" else "auto", limit=o.limit,
                                  tp=o.eval_tp, data_dir=o.data_dir, status=status)
-        md = gate.markdown(gate_run.verdicts, o.src, o.repo_id, {k: gate_run.meta[k] for k in ("backend", "limit", "lm_eval")})
+        md = gate.markdown(gate_run.verdicts, o.src, o.repo_id,
+                           {k: gate_run.meta.get(k) for k in ("backend", "limit", "num_fewshot", "lm_eval")})
         step.done("passed" if gate_run.passed else "failed", markdown=md,
                   verdicts=[v.to_dict() for v in gate_run.verdicts])
         on_gate(gate_run)
@@ -314,7 +316,7 @@ def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) 
             repo_id=o.repo_id, base_model=base_model_id(o.src, folder), license=source_license(folder), recipe=r,
             plan_summary=tensor_plan.summary(planned), src_bytes=ckpt.total_bytes,
             out_bytes=sum(p.stat().st_size for p in model_dir.glob("*.safetensors")), capacity=capacity, setup=setup,
-            gate_run=gate_run, tp_sizes=planned.tp_served, remote_code=bool(ckpt.config.get("auto_map")),
+            gate_markdown=md, tp_sizes=planned.tp_served, remote_code=bool(ckpt.config.get("auto_map")),
             architecture=planned.model.model_type))
         step.done("done", path=str(card))
 

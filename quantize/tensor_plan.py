@@ -13,6 +13,7 @@ import torch
 from quantize import arch
 from quantize.checkpoint import Checkpoint, LogicalTensor
 from quantize.errors import QuantizeError, UsageError
+from quantize.plan import REPLICATED
 from quantize.quant import fp8
 from quantize.recipe import Recipe
 from quantize.safetensors_file import DTYPE_NAMES, TensorSpec
@@ -114,10 +115,6 @@ def dense_tp_ok(entries: list[Entry], group_size: int, tp: int) -> bool:
     return True
 
 
-# Linears vLLM and SGLang keep whole on every rank (MLA down-projections, the DSA indexer, MTP's eh_proj)
-REPLICATED = ("q_a_proj", "kv_a_proj_with_mqa", "eh_proj", "indexer")
-
-
 def fp8_block_tp_ok(model: arch.Model, entries: list[Entry], tp: int, block: int = 128) -> bool:
     """vLLM's validate_fp8_block_shape: at tp > 1 every rank's slice of a block-FP8 Linear starts on a block,
     i.e. in / tp (row-parallel: o_proj, down_proj) or out / tp (column-parallel) is a multiple of 128; fused
@@ -125,7 +122,7 @@ def fp8_block_tp_ok(model: arch.Model, entries: list[Entry], tp: int, block: int
     if tp == 1:
         return True
     for e in entries:
-        if e.action not in ("quantize", "passthrough") or any(r in e.role.module for r in REPLICATED):
+        if e.action not in ("quantize", "passthrough") or REPLICATED.search(e.tensor.name):
             continue
         if e.role.kind == "expert":
             inter = model.moe_intermediate_size

@@ -111,39 +111,24 @@ def write_shard(
 ) -> tuple[int, str, dict]:
     """Write output shard `index`; with a pool, tensors are produced `depth` at a time while this thread writes.
     `calibrated(entry)` gives the tensors of entries a calibrated engine quantized (None for the others)."""
-    entries = plan.shards[index]
-    writer = ShardWriter(path, [s for e in entries for s in e.outputs])
-
-    def make(e: Entry) -> list[torch.Tensor]:
-        got = calibrated(e) if calibrated is not None else None
-        return got if got is not None else produce(plan, e, device)
-
-    results = _in_order(pool, make, entries, depth) if pool is not None else (make(e) for e in entries)
-    try:
-        for e, tensors in zip(entries, results, strict=True):
-            for spec, tensor in zip(e.outputs, tensors, strict=True):
-                writer.write(spec.name, tensor)
-            advance(e.tensor.stored_bytes)
-        return (*writer.close(), writer.tensors)
-    except BaseException:
-        writer.abort()
-        raise
+    return write_shard_pair(plan, None, index, (path, None), device, advance, pool, depth, calibrated)[0]
 
 
 def write_shard_pair(
-    plan: Plan, prefill: Plan, index: int, paths: tuple[Path | None, Path | None], device: torch.device,
+    plan: Plan, prefill: Plan | None, index: int, paths: tuple[Path | None, Path | None], device: torch.device,
     advance: Callable[[int], None], pool: ThreadPoolExecutor | None = None, depth: int = 1,
     calibrated: Callable | None = None,
 ) -> tuple[tuple | None, tuple | None]:
     """Shard `index` of both outputs of a pair (tensor_plan.pair: the same source tensors in both), each source
-    tensor read and decoded once for the two; a path of None is a side already finished (a resume)."""
-    twins = {e.tensor.name: e for e in prefill.shards[index]}
+    tensor read and decoded once for the two; a path of None is a side not written (already finished on a
+    resume, or no prefill plan). Returns (size, sha256, tensors) per side, None for a side not written."""
+    twins = {e.tensor.name: e for e in prefill.shards[index]} if prefill is not None and paths[1] else {}
     entries = plan.shards[index]
-    sides = [(p, path, ShardWriter(path, [s for e in p.shards[index] for s in e.outputs]) if path else None)
-             for p, path in ((plan, paths[0]), (prefill, paths[1]))]
+    writers = [ShardWriter(path, [s for e in p.shards[index] for s in e.outputs]) if path else None
+               for p, path in ((plan, paths[0]), (prefill, paths[1]))]
 
     def make(e: Entry) -> tuple[list | None, list | None]:
-        twin = twins.get(e.tensor.name) if paths[1] else None
+        twin = twins.get(e.tensor.name)
         main = (calibrated(e) if calibrated is not None else None) if paths[0] else None
         need_main = paths[0] is not None and main is None
         w = None
@@ -156,15 +141,14 @@ def write_shard_pair(
     results = _in_order(pool, make, entries, depth) if pool is not None else (make(e) for e in entries)
     try:
         for e, made in zip(entries, results, strict=True):
-            twin = twins.get(e.tensor.name)
-            for (_, _, writer), got, entry in zip(sides, made, (e, twin), strict=True):
+            for writer, got, entry in zip(writers, made, (e, twins.get(e.tensor.name)), strict=True):
                 if writer is not None and got is not None:
                     for spec, tensor in zip(entry.outputs, got, strict=True):
                         writer.write(spec.name, tensor)
             advance(e.tensor.stored_bytes)
-        return tuple((*w.close(), w.tensors) if w is not None else None for _, _, w in sides)
+        return tuple((*w.close(), w.tensors) if w is not None else None for w in writers)
     except BaseException:
-        for _, _, w in sides:
+        for w in writers:
             if w is not None:
                 w.abort()
         raise
