@@ -19,13 +19,13 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from quantize import hf
+
 FP8_MAX = 448.0
 
 
 def scheme_args():
-    from compressed_tensors.quantization import QuantizationArgs
-
-    return QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
+    return hf.compressed_tensors().QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
 
 
 class Amax:
@@ -89,7 +89,7 @@ def scales(amax: Amax, dtype: torch.dtype, mla: bool) -> tuple[torch.Tensor, tor
     inside a binade moves its rounding error. So the scale is chosen, among that one times 2^(j/4) for
     j = 0..39 and 1.0 (when 1.0 does not clip either), as the one with the least round-trip error on the
     sampled values; none of them clips."""
-    from compressed_tensors.quantization.utils import calculate_qparams
+    calculate_qparams = hf.compressed_tensors().utils.calculate_qparams
 
     def one(m: torch.Tensor | None, values: list[torch.Tensor]) -> torch.Tensor:
         if m is None or not float(m) > 0:  # nothing (or only zeros) seen: the engines' default 1.0, never eps

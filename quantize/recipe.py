@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from quantize import hf
 from quantize.errors import UsageError
 
 METHODS = ("rtn", "gptq", "awq")
@@ -69,7 +70,7 @@ class Scheme:
     def args(self):
         """The scheme as compressed-tensors QuantizationArgs."""
         # imported here: compressed_tensors pulls in transformers (~3 s), which inspect and --help never need
-        from compressed_tensors.quantization import QuantizationArgs
+        QuantizationArgs = hf.compressed_tensors().QuantizationArgs
 
         if self.fp8_block:
             return self.preset_fp8_block()["weights"]
@@ -85,9 +86,7 @@ class Scheme:
     def preset_fp8_block() -> dict:
         """compressed-tensors' own FP8_BLOCK preset: static 128x128 weight blocks and dynamic per-token-group
         activations, the pairing vLLM's and SGLang's block-FP8 kernels take."""
-        from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
-
-        return PRESET_SCHEMES["FP8_BLOCK"]
+        return hf.compressed_tensors().quant_scheme.PRESET_SCHEMES["FP8_BLOCK"]
 
 
 @dataclass(frozen=True)
@@ -112,9 +111,10 @@ class Recipe:
 
     def quantization_config(self, extra_ignore: tuple[str, ...] = ()) -> dict:
         """The compressed-tensors `quantization_config` for config.json, built by the library itself."""
-        from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
-
         from quantize import kvcache
+
+        ct = hf.compressed_tensors()
+        QuantizationConfig, QuantizationScheme = ct.QuantizationConfig, ct.QuantizationScheme
 
         if self.scheme.fp8_block:
             fmt = "float-quantized"

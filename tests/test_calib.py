@@ -60,3 +60,26 @@ def test_errors_name_the_problem(tokenizer, tmp_path):
         calib.load_samples(str(empty), tokenizer, 4, 64)
     with pytest.raises(QuantizeError, match="no tokenizer"):
         calib.load_tokenizer(tmp_path)
+
+
+def test_calibration_imports_leave_scikit_learn_out(fixtures_dir):
+    """What a calibrated convert imports (compressed-tensors first, then a decoder class and a tokenizer) must
+    not drag in scikit-learn, pandas and scipy (~140 MB resident) through transformers' generation code and
+    losses, and both must still import afterwards for lm-eval."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+from quantize import recipe, calib, tensor_plan
+from quantize.checkpoint import Checkpoint
+r = recipe.preset("w4a16", 64, "gptq")
+r.quantization_config()
+tensor_plan.build(Checkpoint({str(fixtures_dir / "llama-bf16")!r}), r, 1 << 30).model.causal_lm_class()
+calib.load_tokenizer({str(fixtures_dir / "llama-bf16")!r})
+print(sorted(m for m in ("sklearn", "pandas", "scipy") if m in sys.modules))
+import sklearn.metrics, scipy.optimize
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["[]", "ok"]
