@@ -66,15 +66,18 @@ def test_gptq_matches_llm_compressor_quantize_weight(actorder):
     assert agree > 0.999, agree  # float summation order may flip a rare rounding tie
 
 
-def test_bf16_inputs_give_the_float32_hessian_of_the_same_numbers():
+@pytest.mark.parametrize("width", [320, 1536])  # one product; upper row blocks mirrored
+def test_bf16_inputs_give_the_float32_hessian_of_the_same_numbers(width):
     """The bf16 fast path must keep float32 sums and outputs: a bf16-rounded H (relative error ~4e-3) breaks
-    positive definiteness of low-rank expert Hessians."""
-    X = correlated_inputs(512, 320, seed=2).bfloat16()
+    positive definiteness of low-rank expert Hessians. Wide inputs accumulate the upper blocks only, and
+    mirror_upper (gptq_quantize's first step) completes the matrix."""
+    X = correlated_inputs(512, width, seed=2).bfloat16()
     exact = X.double().t() @ X.double()
-    H = torch.zeros(320, 320, dtype=torch.float32)
+    H = torch.zeros(width, width, dtype=torch.float32)
     gptq.add_batch(H, X)
     gptq.add_batch(H, X)
-    assert H.dtype == torch.float32
+    gptq.mirror_upper(H)
+    assert H.dtype == torch.float32 and torch.equal(H, H.t())
     assert ((H.double() - 2 * exact).abs().max() / exact.abs().max()) < 2e-6
     assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # the fast mode does not leak out
 
@@ -299,3 +302,18 @@ def test_a_damaged_layer_checkpoint_is_refused_not_used(fixtures_dir, tmp_path, 
     with pytest.raises(QuantizeError, match="does not match its checksum"):
         stream.run(plan, tmp_path / "out", resume=True, calibrated=Calibrated(plan, samples, torch.device("cpu")))
     assert not (tmp_path / "out").exists()
+
+
+def test_linears_sharing_a_hessian_solve_as_one_stacked_matrix():
+    """The engine solves q/k/v (and gate/up) as one matrix: GPTQ's rows are independent given H, so the codes
+    must be the very bytes of solving each weight alone."""
+    X = correlated_inputs(1024, 256, seed=4)
+    H = torch.zeros(256, 256)
+    gptq.add_batch(H, X)
+    Ws = [torch.randn(rows, 256) * 0.05 for rows in (64, 16, 16)]
+
+    def solve(W):
+        scale, zp = rtn.group_qparams(W, 64, symmetric=False)
+        return gptq.gptq_quantize(W, H.clone(), scale, zp, actorder=True)[0]
+
+    assert torch.equal(solve(torch.cat(Ws)), torch.cat([solve(W) for W in Ws]))

@@ -441,17 +441,22 @@ class LayerwiseQuantizer:
                 stop.seen("experts")
             experts_module.record = record
         self._run(layer, i, advance=False, after_sample=hessians.next_sample, stop=stop)
+        hessians.flush()
         for h in hooks:
             h.remove()
         if experts_module is not None:
             experts_module.record = None
         if expert_targets and self.world > 1:
             _broadcast_moe_inputs(moe_inputs, routes)
-        dense = sorted(set(targets) - expert_targets)
-        for k, m in enumerate(dense):
-            H = hessians.by_module[m]  # shared by the Linears fed the same input: the last of them consumes it
-            last = all(hessians.by_module[later] is not H for later in dense[k + 1:])
-            self._quantize_module(modules[m], targets[m], H, report, consume=last)
+        by_input: dict[int, list[str]] = defaultdict(list)  # q/k/v, gate/up: one Hessian, one stacked solve
+        for m in sorted(set(targets) - expert_targets):
+            by_input[id(hessians.by_module[m])].append(m)
+        for names in by_input.values():
+            H = hessians.by_module[names[0]]
+            done = self._quantize_stacked([modules[m].weight.data for m in names], H)
+            for m, result in zip(names, done, strict=True):
+                self._commit(modules[m], targets[m], *result, report)
+            release_freed_memory()
         hessians.by_module.clear()
         if expert_targets:
             self._quantize_experts(experts_module, targets, moe_inputs, routes, report)
@@ -538,7 +543,7 @@ class LayerwiseQuantizer:
                 rec.attention_inputs = [(x.float() / scales.to(x.device)).to(x.dtype) for x in rec.attention_inputs]
         rec.attention_inputs.clear()
         for m, e in targets.items():
-            self._quantize_module(modules[m], e, None, report)
+            self._quantize_module(modules[m], e, report)
         prefix = f"{self.model.prefix}model.layers.{i}."
         for m in sorted(modified - set(targets)):
             for leaf in ("weight", "bias"):
@@ -559,6 +564,19 @@ class LayerwiseQuantizer:
                                              actorder=p.actorder == "static", consume=consume)
         return codes, scale, zp, fallback
 
+    def _quantize_stacked(self, weights: list[torch.Tensor], H: torch.Tensor) -> list[tuple]:
+        """_quantize_weight of Linears fed the same input, as one matrix: GPTQ treats the rows of W
+        independently given H (the codes are the same bytes as one by one), so H is factored once and each
+        column step updates every Linear at once (q/k/v of SmolLM2: 130 -> 55 ms). H is consumed."""
+        W = torch.cat(weights) if len(weights) > 1 else weights[0]
+        codes, scale, zp, fallback = self._quantize_weight(W, H, consume=True)
+        done, row = [], 0
+        for w in weights:
+            rows = slice(row, row + w.shape[0])
+            row = rows.stop
+            done.append((codes[rows], scale[rows].clone(), None if zp is None else zp[rows].clone(), fallback))
+        return done
+
     def _commit(self, module: nn.Linear, e: Entry, codes, scale, zp, fallback: bool, report: LayerReport) -> None:
         """Record the result and make the module compute with it (for the next layer's inputs)."""
         W = module.weight.data
@@ -574,9 +592,9 @@ class LayerwiseQuantizer:
             out.append(pack.pack_int4(zp, packed_dim=0))
         self.results[e.tensor.name] = [t.to("cpu") for t in out]
 
-    def _quantize_module(self, module: nn.Linear, e: Entry, H: torch.Tensor | None, report: LayerReport,
-                         consume: bool = False) -> None:
-        self._commit(module, e, *self._quantize_weight(module.weight.data, H, consume), report)
+    def _quantize_module(self, module: nn.Linear, e: Entry, report: LayerReport) -> None:
+        """RTN of one Linear (AWQ's last step, after its scales are applied)."""
+        self._commit(module, e, *self._quantize_weight(module.weight.data, None), report)
         release_freed_memory()
 
     def _quantize_experts(self, experts: UnfusedExperts, targets: dict[str, Entry], inputs: ActivationStore,
@@ -622,19 +640,23 @@ class LayerwiseQuantizer:
             return {leaf: self._quantize_weight(getattr(m, leaf).weight.data, None) for leaf in names}
         H_in = torch.zeros(m.gate_proj.in_features, m.gate_proj.in_features, device=self.device)
         H_down = torch.zeros(m.down_proj.in_features, m.down_proj.in_features, device=self.device)
-        with torch.no_grad():
+
+        def routed():
             for s in range(len(inputs)):
                 x = inputs[s]
-                if not cal.calibrate_all_experts:
-                    x = x[(routes[s] == e).any(dim=-1).to(x.device)]
-                if x.shape[0] == 0:
-                    continue
+                yield x if cal.calibrate_all_experts else x[(routes[s] == e).any(dim=-1).to(x.device)]
+
+        with torch.no_grad():
+            for x in gptq.batched_rows(routed()):
                 gptq.add_batch(H_in, x)
                 gptq.add_batch(H_down, experts.act_fn(m.gate_proj(x)) * m.up_proj(x))
-        last_in = [leaf for leaf in names if leaf != "down_proj"][-1:]
-        return {leaf: self._quantize_weight(getattr(m, leaf).weight.data, H_down if leaf == "down_proj" else H_in,
-                                            consume=leaf == "down_proj" or [leaf] == last_in)
-                for leaf in names}
+        done = {}
+        for group, H in (([leaf for leaf in names if leaf != "down_proj"], H_in), (["down_proj"], H_down)):
+            group = [leaf for leaf in group if leaf in names]
+            if group:
+                stacked = self._quantize_stacked([getattr(m, leaf).weight.data for leaf in group], H)
+                done |= zip(group, stacked, strict=True)
+        return done
 
     def run_worker(self) -> None:
         """Rank > 0: take part in every layer's expert split; rank 0 does everything else and writes."""
@@ -786,12 +808,14 @@ class _StopWhenAllSeen:
 
 class _Hessians:
     """One Hessian per distinct input: Linears fed the very same tensor (q/k/v, gate/up) share one, so each
-    input's x^T x is computed once per sample."""
+    input's x^T x is computed once per sample. Inputs wait until gptq.BATCH_ROWS of them can go in one product;
+    `flush` adds what is left."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.by_module: dict[str, torch.Tensor] = {}
         self._seen: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (input kept alive, first module fed it)
+        self._pending: dict[str, tuple[list[torch.Tensor], int]] = {}  # first module of an H -> (inputs, rows)
 
     def hook(self, name: str, _module: nn.Module, args: tuple) -> None:
         x = args[0]
@@ -804,9 +828,25 @@ class _Hessians:
                     self.by_module[name] = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float32, device=self.device)
         if first is None:
             self._seen[id(x)] = (x, name)
-            gptq.add_batch(self.by_module[name], x)
+            self._add(name, x)
         elif self.by_module[name] is not self.by_module[first[1]]:
-            gptq.add_batch(self.by_module[name], x)
+            self._add(name, x)
+
+    def _add(self, name: str, x: torch.Tensor) -> None:
+        xs, rows = self._pending.get(name, ([], 0))
+        xs.append(x)
+        rows += x.numel() // x.shape[-1]
+        self._pending[name] = (xs, rows)
+        if rows >= gptq.BATCH_ROWS:
+            self._flush(name)
+
+    def _flush(self, name: str) -> None:
+        xs, _ = self._pending.pop(name)
+        gptq.add_batch(self.by_module[name], torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]))
+
+    def flush(self) -> None:
+        for name in list(self._pending):
+            self._flush(name)
 
     def next_sample(self) -> None:
         self._seen.clear()

@@ -8,6 +8,7 @@ descending Hessian diagonal while every column keeps its own group, so no g_idx 
 """
 
 import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -21,15 +22,57 @@ def add_batch(H: torch.Tensor, x: torch.Tensor) -> int:
     cores): every bf16 x bf16 product is exact in float32 and the sums are float32, so the result is the float32
     product of the same numbers, about 3x sooner on CPU. Rounding the *output* to bf16 is what must never
     happen: it breaks positive definiteness of the low-rank Hessians of experts that see few tokens.
+
+    H is symmetric, so for wide inputs only its row blocks from the diagonal rightwards are computed; the
+    blocks below are left stale until `mirror_upper` (which gptq_quantize calls) copies them across.
     """
     exact_bf16 = x.dtype == torch.bfloat16
     x = x.reshape(-1, x.shape[-1]).to(H.dtype)
-    if exact_bf16:
-        with _reduced_precision_fp32_matmul(H.device):
-            H.addmm_(x.t(), x)
-    else:
-        H.addmm_(x.t(), x)
+    with _reduced_precision_fp32_matmul(H.device) if exact_bf16 else contextlib.nullcontext():
+        for r1, r2 in _row_blocks(H.shape[0]):
+            H[r1:r2, r1:].addmm_(x[:, r1:r2].t(), x[:, r1:])
     return x.shape[0]
+
+
+# Rows per Hessian product. Each product reads and writes all of H, so a few rows at a time is bound by memory,
+# not arithmetic: 512-token samples in 2048-row batches measured ~20% sooner on CPU, and an expert that gets ~10
+# routed tokens per sample would otherwise cost one pass over its whole [in, in] H (205 MB at 7168) per sample.
+BATCH_ROWS = 2048
+
+
+def batched_rows(xs: Iterable[torch.Tensor], rows: int = BATCH_ROWS) -> Iterator[torch.Tensor]:
+    """Consecutive inputs [..., in] joined into [n, in] batches of at least `rows` rows (the last may have fewer),
+    in order: what add_batch should be given."""
+    pending, n = [], 0
+    for x in xs:
+        x = x.reshape(-1, x.shape[-1])
+        if x.shape[0] == 0:
+            continue
+        pending.append(x)
+        n += x.shape[0]
+        if n >= rows:
+            yield torch.cat(pending) if len(pending) > 1 else pending[0]
+            pending, n = [], 0
+    if pending:
+        yield torch.cat(pending) if len(pending) > 1 else pending[0]
+
+
+def mirror_upper(H: torch.Tensor) -> torch.Tensor:
+    """Complete in place a Hessian that add_batch filled on and above its diagonal blocks."""
+    for r1, r2 in _row_blocks(H.shape[0])[:-1]:
+        H[r2:, r1:r2] = H[r1:r2, r2:].t()
+    return H
+
+
+def _row_blocks(n: int, block: int = 384) -> list[tuple[int, int]]:
+    """Row blocks of an [n, n] Hessian. Up to 1024 wide, one block (the whole product: splitting measured no
+    faster); wider, blocks of about `block` rows, so that about half the products are skipped (1536 wide:
+    4.9 -> 2.8 ms per 512 bf16 rows on 2 CPU cores)."""
+    if n < 1024:
+        return [(0, n)]
+    k = -(-n // block)
+    edges = [n * j // k for j in range(k + 1)]
+    return list(zip(edges, edges[1:], strict=False))
 
 
 @contextlib.contextmanager
@@ -58,8 +101,9 @@ def gptq_quantize(
 ) -> tuple[torch.Tensor, bool]:
     """Integer codes [out, in] int8 for W [out, in] under fixed per-group scale [out, in/group].
 
-    H: sum of x x^T over the calibration inputs, [in, in]. Returns (codes, fallback): fallback is True when
-    H was not positive definite even after dampening, in which case the codes are plain RTN.
+    H: sum of x x^T over the calibration inputs, [in, in], as add_batch leaves it (completed here, in place).
+    Returns (codes, fallback): fallback is True when H was not positive definite even after dampening, in which
+    case the codes are plain RTN.
     consume: the caller's last use of H; its storage is released as soon as the working copy exists.
     """
     out_features, in_features = W.shape
@@ -69,6 +113,7 @@ def gptq_quantize(
     q_min, q_max = int_range(num_bits)
     # Memory: H is the big one ([in, in] float32: 205 MB for a 7168-wide input). At most two of its size are
     # alive past this copy (L, then its inverse), three while the caller keeps its own (a shared Hessian).
+    mirror_upper(H)
     perm = torch.argsort(torch.diag(H), descending=True) if actorder else None
     # one gather makes the permuted working copy (no intermediate); without actorder, a plain copy
     work = H[perm.unsqueeze(1), perm.unsqueeze(0)].float() if perm is not None else H.to(torch.float32, copy=True)
