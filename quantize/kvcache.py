@@ -25,7 +25,8 @@ FP8_MAX = 448.0
 
 
 def scheme_args():
-    return hf.compressed_tensors().QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
+    QuantizationArgs = hf.compressed_tensors().QuantizationArgs
+    return QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
 
 
 class Amax:

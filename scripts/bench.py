@@ -157,6 +157,12 @@ print(rc.returncode, dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss 
 """
 
 
+def fresh(out: Path) -> None:
+    """Remove an output and the OUT.partial an interrupted bench left, which convert would refuse to overwrite."""
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(Path(str(out) + ".partial"), ignore_errors=True)
+
+
 def measure(cmd: list[str]) -> dict:
     p = subprocess.run([sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True)
     rc, seconds, rss = p.stdout.split()
@@ -208,7 +214,7 @@ def bench_rtn(args) -> dict:
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2-w4a16.yaml"
     ours_out, ref_out = work / "out-quantize", work / "out-model-free-ptq"
     for d in (ours_out, ref_out):
-        shutil.rmtree(d, ignore_errors=True)
+        fresh(d)
     if args.scheme == "fp8-block":
         # every Linear but lm_head to FP8 blocks; model_free_ptq takes every 2-D weight, so routers and
         # embeddings are named for it
@@ -310,13 +316,13 @@ def bench_calibrated(args) -> dict:
     m = args.what
     outs = {name: work / f"smol-{name}" for name in ("rtn", m, f"llmc-{m}")}
     for d in outs.values():
-        shutil.rmtree(d, ignore_errors=True)
+        fresh(d)
     common = ["--scheme", "w4a16", "--group-size", str(args.group_size), "--json"]
     rtn = measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs["rtn"]), *common])
     ours_runs, ref_runs = [], []
     for _ in range(args.repeat):  # alternated, so that a slow spell of the machine weighs on both tools
-        shutil.rmtree(outs[m], ignore_errors=True)
-        shutil.rmtree(outs[f"llmc-{m}"], ignore_errors=True)
+        fresh(outs[m])
+        fresh(outs[f"llmc-{m}"])
         ours_runs.append(measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs[m]), *common,
                                   "--method", m, "--calib", str(data), "--num-samples", str(args.num_samples),
                                   "--seq-len", str(args.seq_len)]))
@@ -385,7 +391,7 @@ def bench_depth(args) -> dict:
         if not (src / "config.json").exists():
             synthetic_llama(src, layers)
         out = work / f"llama-{layers}-gptq"
-        shutil.rmtree(out, ignore_errors=True)
+        fresh(out)
         result[f"layers_{layers}"] = measure([sys.executable, "-m", "quantize", "convert", str(src), str(out),
                                               "--scheme", "w4a16", "--group-size", "128", "--method", "gptq", "--calib",
                                               data, "--num-samples", "32", "--seq-len", "256", "--json"])
@@ -409,7 +415,7 @@ def bench_scale(args) -> dict:
     samples_file.write_text(json.dumps([s[0].tolist() for s in samples]))
     outs = {name: work / f"scale-{name}" for name in ("gptq", "llmc-gptq")}
     for d in outs.values():
-        shutil.rmtree(d, ignore_errors=True)
+        fresh(d)
     ours = measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs["gptq"]), "--scheme", "w4a16",
                     "--group-size", "128", "--method", "gptq", "--calib", str(data), "--num-samples",
                     str(args.num_samples), "--seq-len", str(args.seq_len), "--json"])
@@ -438,7 +444,7 @@ def bench_moe_layer(args) -> dict:
         synthetic_kimi(src, dims=dims, n_layers=2, n_shards=2)
         make_fixture.build_tokenizer(src)
     out = work / "moe-layer-gptq"
-    shutil.rmtree(out, ignore_errors=True)
+    fresh(out)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2-w4a16.yaml"
     cmd = [sys.executable, "-m", "quantize", "convert", str(src), str(out), "--recipe", str(recipe), "--method", "gptq",
            "--calib", str(calibration_text(work)), "--num-samples", str(args.num_samples), "--seq-len",

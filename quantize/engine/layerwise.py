@@ -553,15 +553,15 @@ class LayerwiseQuantizer:
                     continue
                 self.results[name] = [t.detach().to("cpu", _dtype(self.entries[name].outputs[0].dtype))]
 
-    def _quantize_weight(self, W: torch.Tensor, H: torch.Tensor | None, consume: bool = False):
-        """(codes, scale, zero_point, fallback) of one weight: GPTQ against H, or RTN when H is None.
-        consume: this is H's last use, and GPTQ may free it as soon as it has its working copy."""
+    def _quantize_weight(self, W: torch.Tensor, H: torch.Tensor | None):
+        """(codes, scale, zero_point, fallback) of one weight: GPTQ against H, or RTN when H is None. H is
+        consumed (every Linear that shares it is in W): GPTQ frees it as soon as it has its working copy."""
         s, p = self.recipe.scheme, self.recipe.gptq
         scale, zp = rtn.group_qparams(W, s.group_size, s.num_bits, s.symmetric)
         if H is None:
             return rtn.quantize_groups(W, scale, zp, s.num_bits), scale, zp, False
         codes, fallback = gptq.gptq_quantize(W, H, scale, zp, s.num_bits, p.block_size, p.dampening_frac,
-                                             actorder=p.actorder == "static", consume=consume)
+                                             actorder=p.actorder == "static", consume=True)
         return codes, scale, zp, fallback
 
     def _quantize_stacked(self, weights: list[torch.Tensor], H: torch.Tensor) -> list[tuple]:
@@ -569,7 +569,7 @@ class LayerwiseQuantizer:
         independently given H (the codes are the same bytes as one by one), so H is factored once and each
         column step updates every Linear at once (q/k/v of SmolLM2: 130 -> 55 ms). H is consumed."""
         W = torch.cat(weights) if len(weights) > 1 else weights[0]
-        codes, scale, zp, fallback = self._quantize_weight(W, H, consume=True)
+        codes, scale, zp, fallback = self._quantize_weight(W, H)
         done, row = [], 0
         for w in weights:
             rows = slice(row, row + w.shape[0])
