@@ -78,7 +78,9 @@ def test_bf16_inputs_give_the_float32_hessian_of_the_same_numbers(width):
     gptq.add_batch(H, X)
     gptq.mirror_upper(H)
     assert H.dtype == torch.float32 and torch.equal(H, H.t())
-    assert ((H.double() - 2 * exact).abs().max() / exact.abs().max()) < 2e-6
+    # float32 sums of 1024 products carry ~sqrt(1024) x 6e-8 = 2e-6 of rounding that depends on the kernel's
+    # blocking (2.6e-6 on an AVX512-BF16 EPYC); a bf16-rounded H is off by ~4e-3
+    assert ((H.double() - 2 * exact).abs().max() / exact.abs().max()) < 1e-5
     assert torch.backends.mkldnn.matmul.fp32_precision != "bf16"  # the fast mode does not leak out
 
 
