@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from quantize.errors import QuantizeError
+from quantize.hub import snapshot_roots
 from quantize.quant import fp8, pack, rtn
 from quantize.safetensors_file import TensorInfo, read_header, read_tensor
 
@@ -60,12 +61,13 @@ class LogicalTensor:
 
 
 def _inside(root: Path, rel: str) -> Path:
-    """Resolve a file the index names, refusing anything that leaves the checkpoint folder."""
+    """Resolve a file the index names, refusing anything that leaves the checkpoint folder (an HF-cache snapshot's
+    links into its repo's blobs/ stay inside)."""
     if os.path.isabs(rel) or ".." in Path(rel).parts:
         raise QuantizeError(f"{INDEX_NAME}: entry {rel!r} points outside the checkpoint folder; refusing to read it")
     path = root / rel
-    resolved, base = path.resolve(), root.resolve()
-    if resolved != base and base not in resolved.parents:
+    resolved = path.resolve()
+    if not any(resolved == base or base in resolved.parents for base in snapshot_roots(root)):
         raise QuantizeError(f"{INDEX_NAME}: {rel!r} is a link that leaves the checkpoint folder; refusing to read it")
     return path
 

@@ -24,13 +24,22 @@ from rich.text import Text
 
 from quantize import __version__, hub
 from quantize import recipe as recipes
-from quantize.checkpoint import Checkpoint
+from quantize.destination import check_apart, prepare_check
 from quantize.errors import QuantizeError
-from quantize.plan import size_label
+from quantize.plan import size_label  # plan.py imports no torch: --help and usage errors stay fast
 
 GPU_CHOICES = ("h100", "h200", "b200")
-err = Console(stderr=True)
-out = Console()
+
+
+def _console(stderr: bool = False) -> Console:
+    """Rich's console; piped to a file or another program it would wrap at 80 columns and cut table cells, so
+    there it gets room for every figure."""
+    c = Console(stderr=stderr)
+    return c if c.is_terminal else Console(stderr=stderr, width=240)
+
+
+err = _console(stderr=True)
+out = _console()
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$", re.IGNORECASE)
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -78,6 +87,13 @@ def load_recipe(recipe_path: str | None, scheme: str | None, group_size: int, me
     return recipes.preset(scheme or "w4a16", group_size, method)
 
 
+COMPUTE_DTYPE_OPTION = click.option(
+    "--compute-dtype", type=click.Choice(["auto", "model", "float32"]), default="auto", show_default=True,
+    help="dtype of the forwards (calibration, evaluation): auto is the model's, or float32 on a CPU without native "
+    "bf16/fp16 (torch reports AVX2), where those GEMMs are 50-100x slower. Weights keep their dtype on disk.")
+VERBOSE_OPTION = click.option(
+    "--verbose", is_flag=True, help="Also show the libraries' own progress bars and notes (datasets, lm-eval, "
+    "transformers), and every truncated prompt.")
 SCHEME_OPTION = click.option(
     "--scheme", type=click.Choice(recipes.SCHEMES),
     help="Quantize every Linear but lm_head (instead of --recipe): w4a16 INT4 groups, or fp8-block (e4m3, 128x128 "
@@ -102,7 +118,8 @@ def main() -> None:
       quantize verify out/kimi-int4 && quantize plan out/kimi-int4 --kv-dtype both
       quantize release moonshotai/Kimi-K2-Instruct --recipe recipes/kimi-k2-w4a16.yaml --repo-id me/K2-W4A16
 
-    Exit codes: 0 done, 1 the input or environment failed (message says what to do), 2 invalid request.
+    Exit codes: 0 done, 1 the input or environment failed (message says what to do), 2 invalid request,
+    130 interrupted (Ctrl-C; a conversion keeps its finished shards: --resume continues).
     """
 
 
@@ -126,10 +143,11 @@ def _torchrun_rank(src: str, r, dev: str, offload: str, trust_remote_code: bool)
 
 
 def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_code: bool, bar: Progress,
-                 devices: list[str]):
+                 devices: list[str], compute_dtype: str):
     """The layerwise engine hook for stream.run, with a progress task per layer."""
     import torch
 
+    from quantize import compute
     from quantize.engine.layerwise import Calibrated
 
     c = r.calibration
@@ -149,16 +167,19 @@ def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_cod
     def on_expert(e, total):
         bar.update(experts, completed=e + 1, total=total, visible=True, description=f"expert {e + 1}/{total}")
 
-    return Calibrated(plan, samples, torch.device(dev), offload, on_layer=on_layer, devices=devices, on_expert=on_expert)
+    calibrated = Calibrated(plan, samples, torch.device(dev), offload, on_layer=on_layer, devices=devices,
+                            on_expert=on_expert, compute_dtype=compute_dtype)
+    err.print(f"layer forwards in {compute.describe(plan.ckpt.dtype, calibrated.compute, dev)}", highlight=False)
+    return calibrated
 
 
-def _calibration_table(stats) -> None:
+def _calibration_table(stats, forwards: str) -> None:
     t = Table(title="calibration", title_justify="left")
-    for col in ("layers", "experts calibrated", "fallbacks to RTN", "activations", "time"):
+    for col in ("layers", "experts calibrated", "fallbacks to RTN", "activations", "forwards in", "time"):
         t.add_column(col)
     resumed = f" ({stats.resumed_layers} from the checkpoint)" if stats.resumed_layers else ""
     t.add_row(f"{len(stats.layers)}{resumed}", str(sum(x.experts_calibrated for x in stats.layers)),
-              str(sum(len(x.fallbacks) for x in stats.layers)), stats.offload,
+              str(sum(len(x.fallbacks) for x in stats.layers)), stats.offload, forwards,
               f"{sum(x.seconds for x in stats.layers):.1f} s")
     out.print(t)
     e = Table(title="mean relative weight error by module kind", title_justify="left")
@@ -212,11 +233,12 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
     Example:
       quantize inspect fixtures/kimi-k2-fp8 --recipe recipes/kimi-k2-w4a16.yaml
     """
-    from quantize import tensor_plan
-
     try:
         r = load_recipe(recipe_path, scheme, int(group_size), "rtn")
         folder, _ = hub.resolve(src)
+        from quantize import tensor_plan
+        from quantize.checkpoint import Checkpoint
+
         plan = tensor_plan.build(Checkpoint(folder), r, max_shard_size)
     except QuantizeError as e:
         fail(e)
@@ -263,6 +285,7 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
               help="Where calibration activations live.")
 @click.option("--trust-remote-code", is_flag=True, help="Let the checkpoint's tokenizer code run (calibration only).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@COMPUTE_DTYPE_OPTION
 @click.option("--devices", help="gptq: one rank per device (cuda:0,cuda:1,... or cpu,cpu); routed experts split over them.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size, help="Largest output shard.")
 @click.option("--workers", default=lambda: min(8, os.cpu_count() or 1), show_default="CPU cores, at most 8",
@@ -281,10 +304,12 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
               "disaggregated deployment run it, decode servers run OUT.")
 @click.option("--prefill-recipe", type=click.Path(dir_okay=False),
               help="Recipe of the --prefill-out variant [FP8 blocks on every Linear but lm_head].")
+@VERBOSE_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_samples, seq_len, seed,
-            calibrate_all_experts, min_expert_tokens, offload, trust_remote_code, device, devices, max_shard_size, workers,
-            tp, overwrite, resume, allow_nonfinite, kv_cache, prefill_out, prefill_recipe, as_json):
+            calibrate_all_experts, min_expert_tokens, offload, trust_remote_code, device, compute_dtype, devices,
+            max_shard_size, workers, tp, overwrite, resume, allow_nonfinite, kv_cache, prefill_out, prefill_recipe, verbose,
+            as_json):
     """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT, or to FP8 blocks (--scheme
     fp8-block, compressed-tensors FP8_BLOCK), or both at once (--prefill-out: FP8 for prefill servers).
 
@@ -307,10 +332,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
       quantize convert zai-org/GLM-4.6 out/glm-int4 --recipe recipes/glm-w4a16.yaml --resume
       quantize convert zai-org/GLM-5 out/glm5-int4 --recipe recipes/glm-w4a16.yaml --prefill-out out/glm5-fp8
     """
-    from quantize import tensor_plan
-    from quantize.engine import distributed, stream
-
-    calibrated, ok = None, False
+    calibrated, ok, distributed = None, False, None
     device_list = [d.strip() for d in devices.split(",")] if devices else []
     try:
         if device_list:
@@ -325,15 +347,23 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             raise click.UsageError("--kv-cache fp8 calibrates its scales: use --method gptq or awq with --calib")
         if r.method != "rtn" and not r.calibration.data:
             raise click.UsageError(f"--method {r.method} needs calibration data: --calib FILE or the recipe's calibration.data")
+        hub.check_local(src)  # a missing path fails here, before torch is imported
+        out_path = Path(out_dir)
+        prepare_check(out_path, resume, overwrite)
+        if prefill_out:
+            prepare_check(Path(prefill_out), resume, overwrite)
+        from quantize import quiet, tensor_plan
+        from quantize.checkpoint import Checkpoint
+        from quantize.engine import distributed, stream
+
         dev = resolve_device(device)
         if (device_list or distributed.launched_by_torchrun()) and r.method != "gptq":
             raise click.UsageError("several ranks (--devices or torchrun) serve --method gptq")
         if distributed.launched_by_torchrun() and distributed.init_torchrun(dev) != 0:
             _torchrun_rank(src, r, dev, offload, trust_remote_code)
             return
-        out_path = Path(out_dir)
-        stream.prepare_check(out_path, resume, overwrite)
         folder, info = hub.resolve(src)
+        check_apart(folder, {"OUT": out_path} | ({"--prefill-out": Path(prefill_out)} if prefill_out else {}))
         ckpt = Checkpoint(folder, allow_nonfinite)
         plan = tensor_plan.build(ckpt, r, max_shard_size, tp=tp, workers=workers, device=dev)
         prefill = None
@@ -342,10 +372,12 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             if r2.method != "rtn":
                 raise click.UsageError("--prefill-recipe: the second output is written in the same pass, data-free; "
                                        "give it method rtn")
-            stream.prepare_check(Path(prefill_out), resume, overwrite)
             plan, plan2 = tensor_plan.pair(plan, tensor_plan.build(ckpt, r2, max_shard_size, tp=tp, workers=workers,
                                                                    device=dev), max_shard_size)
             prefill = (plan2, Path(prefill_out))
+        if not recipe_path and not scheme:
+            err.print("no --recipe or --scheme: every Linear but lm_head becomes w4a16 g128 (as --scheme w4a16 "
+                      "--group-size 128); release recipes are in recipes/", highlight=False)
         for p in [plan] + ([prefill[0]] if prefill else []):
             for w in p.warnings:
                 err.print(f"[yellow]warning:[/] {w}", highlight=False)
@@ -360,10 +392,11 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         with Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), BytesOnly(DownloadColumn()),
             BytesOnly(TransferSpeedColumn()), TimeRemainingColumn(), console=err, transient=as_json,
-        ) as bar:
+        ) as bar, quiet.libraries(verbose or r.method == "rtn"):  # rtn loads no transformers model
             task = bar.add_task("converting", total=plan.src_bytes, bytes=True)
             if r.method != "rtn":
-                calibrated = _calibration(plan, folder, r, dev, offload, trust_remote_code, bar, device_list)
+                calibrated = _calibration(plan, folder, r, dev, offload, trust_remote_code, bar, device_list,
+                                          compute_dtype)
             result = stream.run(
                 plan, out_path, device=dev, workers=workers, resume=resume, overwrite=overwrite, source_info=info,
                 progress=lambda done, total: bar.update(task, completed=done, total=total), calibrated=calibrated,
@@ -378,7 +411,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
     finally:
         if calibrated is not None:
             calibrated.close(ok)
-        if distributed.launched_by_torchrun():
+        if distributed is not None and distributed.launched_by_torchrun():
             distributed.finish(None)
     report = {
         "out": str(result.out),
@@ -399,6 +432,8 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
     stats = calibrated.quantizer.stats if calibrated is not None and calibrated.quantizer is not None else None
     if stats is not None:
         report["calibration"] = {
+            "compute_dtype": str(calibrated.compute).removeprefix("torch."),
+            "cpu_capability": calibrated.cpu_capability,
             "offload": stats.offload,
             "layers": len(stats.layers),
             "resumed_layers": stats.resumed_layers,
@@ -413,7 +448,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         out.print_json(json.dumps(report))
         return
     if stats is not None:
-        _calibration_table(stats)
+        _calibration_table(stats, report["calibration"]["compute_dtype"])
     t = Table(title=f"converted to {result.out}", title_justify="left")
     for col in ("tensors", "count"):
         t.add_column(col)
@@ -455,11 +490,13 @@ def verify(out_dir, source, deep, workers, as_json):
       quantize verify out/k2-int4
       quantize verify out/k2-int4 --deep --source moonshotai/Kimi-K2-Instruct --json
     """
-    from quantize import verify as verifier
-
     folder = Path(out_dir)
+    if deep and not source:
+        raise click.UsageError("--deep compares with the source: give --source SRC (the checkpoint OUT was made from)")
     if not folder.is_dir():
         fail(QuantizeError(f"{out_dir} is not a folder"))
+    from quantize import verify as verifier
+
     try:
         src = hub.resolve(source)[0] if source else None
         with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), DownloadColumn(),
@@ -482,7 +519,7 @@ def verify(out_dir, source, deep, workers, as_json):
 
 
 @main.command("plan")
-@click.argument("src", type=click.Path(exists=True))
+@click.argument("src")
 @click.option("--gpus", default=8, show_default=True, help="GPUs in the deployment (= --tp x --dp).")
 @click.option("--tp", default=8, show_default=True, help="Tensor-parallel size of one replica.")
 @click.option("--dp", default=1, show_default=True, help="Replicas (data parallel).")
@@ -506,7 +543,8 @@ def plan_(src, gpus, tp, dp, gpu, gpu_mem_gib, mem_fraction, overhead_gib, kv_bu
           disaggregated, context_len, mtp, as_json):
     """How many KV tokens and concurrent requests fit when SRC is served, with BF16 vs FP8 KV cache and the
     source vs INT4 weights, side by side. SRC is a checkpoint folder (headers only are read), a converted
-    OUT, or a bare config.json (shapes come from transformers' model class on the meta device).
+    OUT, a bare config.json (shapes come from transformers' model class on the meta device), or a Hub repo id
+    (only its config.json is fetched).
 
     \b
     KV bytes per token follow SGLang's memory pools: MLA latent (kv_lora_rank + qk_rope_head_dim) per layer on
@@ -528,7 +566,8 @@ def plan_(src, gpus, tp, dp, gpu, gpu_mem_gib, mem_fraction, overhead_gib, kv_bu
                            mem_fraction=mem_fraction, overhead_gib=overhead_gib, kv_budget_gib=kv_budget_gib,
                            context_len=context_len, mtp=mtp)
         kinds = ["bf16", "fp8"] if kv_dtype == "both" else [kv_dtype]
-        report = plan.capacity(Path(src), setup, kinds, r, disaggregated)
+        local = hub.check_local(src) if not Path(src).is_file() else Path(src)
+        report = plan.capacity(local or hub.fetch_config(src), setup, kinds, r, disaggregated)
     except QuantizeError as e:
         fail(e)
     if as_json:
@@ -572,6 +611,7 @@ def plan_(src, gpus, tp, dp, gpu, gpu_mem_gib, mem_fraction, overhead_gib, kv_bu
               help="lm-eval model backend; vllm and sglang need their extra installed.")
 @click.option("--tp", type=click.IntRange(1, 64), default=1, show_default=True, help="Tensor parallel size (vllm, sglang).")
 @click.option("--device", default="auto", show_default=True, help="hf backend: auto, cpu, cuda or cuda:N.")
+@COMPUTE_DTYPE_OPTION
 @click.option("--limit", type=click.IntRange(1), help="At most N samples per task (per MMLU subject): for smoke runs.")
 @click.option("--num-fewshot", type=click.IntRange(0), help="Override each task's few-shot count (default: lm-eval's).")
 @click.option("--batch-size", default="8", show_default=True, help="A number, or auto.")
@@ -583,8 +623,9 @@ def plan_(src, gpus, tp, dp, gpu, gpu_mem_gib, mem_fraction, overhead_gib, kv_bu
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="Baseline results cache [~/.cache/quantize/eval].")
 @click.option("--no-cache", is_flag=True, help="Evaluate the baseline even when its results are cached.")
 @click.option("--trust-remote-code", is_flag=True, help="Let the models' own code run (off by default).")
-def eval_(candidate, baseline, baseline_results, tasks, gate_path, backend, tp, device, limit, num_fewshot, batch_size,
-          data_dir, report, json_path, log_samples, cache_dir, no_cache, trust_remote_code):
+@VERBOSE_OPTION
+def eval_(candidate, baseline, baseline_results, tasks, gate_path, backend, tp, device, compute_dtype, limit, num_fewshot,
+          batch_size, data_dir, report, json_path, log_samples, cache_dir, no_cache, trust_remote_code, verbose):
     """Gate CANDIDATE on GSM8K, MMLU and ARC-Challenge against its baseline with lm-eval.
 
     \b
@@ -609,7 +650,7 @@ def eval_(candidate, baseline, baseline_results, tasks, gate_path, backend, tp, 
             device=resolve_device(device) if backend == "hf" else device, batch_size=batch, limit=limit,
             num_fewshot=num_fewshot, tp=tp, data_dir=Path(data_dir) if data_dir else None,
             log_samples=Path(log_samples) if log_samples else None, cache_dir=Path(cache_dir) if cache_dir else None,
-            use_cache=not no_cache, trust_remote_code=trust_remote_code,
+            use_cache=not no_cache, trust_remote_code=trust_remote_code, compute_dtype=compute_dtype, verbose=verbose,
             status=lambda msg: err.print(msg, highlight=False))
     except QuantizeError as e:
         fail(e)
@@ -679,9 +720,10 @@ def _gate_table(run) -> None:
 @click.option("--dry-run", is_flag=True, help="Everything but the upload: print what would be committed.")
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Output, card and report [release/ORG--NAME].")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size, help="Largest output shard.")
+@VERBOSE_OPTION
 @click.pass_context
 def release(ctx, src, recipe_path, repo_id, gate_path, tasks, backend, eval_tp, device, calib, data_dir, limit, gpus,
-            gpu, private, revision_tag, dry_run, work_dir, max_shard_size):
+            gpu, private, revision_tag, dry_run, work_dir, max_shard_size, verbose):
     """Release SRC as a gated, documented Hub checkpoint: convert (resumable), verify, plan, eval gate against
     SRC, model card, upload. Only a release that passed every step is uploaded.
 
@@ -704,7 +746,8 @@ def release(ctx, src, recipe_path, repo_id, gate_path, tasks, backend, eval_tp, 
     def convert_into(out_dir: Path, resume: bool) -> None:
         try:
             ctx.invoke(convert, src=src, out_dir=str(out_dir), recipe_path=recipe_path, calib=calib,
-                       device=resolve_device(device), resume=resume, overwrite=not resume, max_shard_size=max_shard_size)
+                       device=resolve_device(device), resume=resume, overwrite=not resume, max_shard_size=max_shard_size,
+                       verbose=verbose)
         except SystemExit as e:  # convert reported its own error
             if e.code:
                 raise QuantizeError(f"convert failed (exit {e.code}); rerun the release to resume it") from None
@@ -716,7 +759,7 @@ def release(ctx, src, recipe_path, repo_id, gate_path, tasks, backend, eval_tp, 
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), backend=backend, eval_tp=eval_tp,
             device=resolve_device(device), calib=calib, data_dir=Path(data_dir) if data_dir else None, limit=limit,
             gpus=gpus, gpu_mem_gib=plan.GPUS[gpu], private=private, tag=revision_tag, dry_run=dry_run,
-            max_shard_size=max_shard_size)
+            max_shard_size=max_shard_size, verbose=verbose)
     except QuantizeError as e:
         fail(e)
     report, files = rel.run(opts, convert_into, status=lambda msg: err.print(msg, highlight=False), on_gate=_gate_table)
@@ -733,5 +776,6 @@ def release(ctx, src, recipe_path, repo_id, gate_path, tasks, backend, eval_tp, 
                   + (f"; tag {revision_tag}" if revision_tag else ""), highlight=False)
     elif report.exit_code == rel.EXIT_RELEASED:
         out.print(f"released {repo_id}: {report.commit['url']}", highlight=False)
-    err.print(f"report: {opts.work_dir / rel.REPORT_MD}", highlight=False)
+    if report.saved:
+        err.print(f"report: {opts.work_dir / rel.REPORT_MD}", highlight=False)
     sys.exit(report.exit_code)

@@ -206,7 +206,8 @@ def run_gate(candidate: str, baseline: str | None = None, baseline_results: Path
              tasks: list[str] | None = None, gate_path: Path | None = None, backend: str = "hf", device: str = "cpu",
              batch_size: int | str = 8, limit: int | None = None, num_fewshot: int | None = None, tp: int = 1,
              data_dir: Path | None = None, log_samples: Path | None = None, cache_dir: Path | None = None,
-             use_cache: bool = True, trust_remote_code: bool = False, status=lambda msg: None) -> GateRun:
+             use_cache: bool = True, trust_remote_code: bool = False, compute_dtype: str = "auto",
+             verbose: bool = False, status=lambda msg: None) -> GateRun:
     """Evaluate the candidate (and the baseline, unless its results are cached or given), then judge."""
     import json
     import tempfile
@@ -221,22 +222,34 @@ def run_gate(candidate: str, baseline: str | None = None, baseline_results: Path
         raise UsageError(f"--backend {backend}: choose from {', '.join(lmeval.BACKENDS)}")
     thresholds = load_gate(gate_path, tasks)  # a bad gate file fails now, not after hours of evaluation
     lmeval.check_backend(backend)
+    given = _read_results(Path(baseline_results)) if baseline_results is not None else None  # a bad file: now
+    if data_dir is None:
+        lmeval.check_hub_data(tasks)
+    # both models compute in the same dtype: the candidate's (a quantized checkpoint keeps its source's dtype)
+    dtype = lmeval.eval_dtype(hub.resolve(candidate)[0], backend, device, compute_dtype)
     settings = {"backend": backend, "device": device, "batch_size": str(batch_size), "limit": limit,
-                "num_fewshot": num_fewshot, "tp": tp}
+                "num_fewshot": num_fewshot, "tp": tp, "dtype": dtype}
     with tempfile.TemporaryDirectory(prefix="quantize-tasks-") as tmp:
         include = lmeval.write_local_tasks(data_dir, tasks, Path(tmp)) if data_dir else None
 
         def evaluate(src: str, who: str, which: list[str]) -> dict:
             folder, _ = hub.resolve(src)
-            status(f"evaluating the {who} {src} on {', '.join(which)} ({backend}, {device})")
+            status(f"evaluating the {who} {src} on {', '.join(which)} ({backend}, {device}"
+                   + (f", {dtype}: the checkpoint's dtype is slow on this CPU" if dtype != "auto" else "") + ")")
             samples = log_samples / who if log_samples else None
-            return lmeval.evaluate(folder, which, backend=backend, device=device, batch_size=batch_size, limit=limit,
-                                   num_fewshot=num_fewshot, tp=tp, include_path=include, log_samples=samples,
-                                   trust_remote_code=trust_remote_code)
+            out = lmeval.evaluate(folder, which, backend=backend, device=device, batch_size=batch_size, limit=limit,
+                                  num_fewshot=num_fewshot, tp=tp, include_path=include, log_samples=samples,
+                                  trust_remote_code=trust_remote_code, dtype=dtype, verbose=verbose)
+            cut = out["meta"]["truncated"]
+            if cut["prompts"] and not verbose:
+                status(f"{cut['prompts']} prompt(s) of the {who} were longer than its context"
+                       + (f" ({cut['max_length']} tokens)" if cut["max_length"] else "")
+                       + " and lm-eval cut them from the left (--verbose lists each)")
+            return out
 
         base, base_from = None, "none"
-        if baseline_results is not None:
-            base = _read_results(Path(baseline_results))
+        if given is not None:
+            base = given
             base_from = f"file {baseline_results}"
         elif baseline is not None:
             folder, info = hub.resolve(baseline)
@@ -264,8 +277,14 @@ def run_gate(candidate: str, baseline: str | None = None, baseline_results: Path
     verdicts = judge_all(thresholds, base, cand) if base is not None else []
     meta = {"candidate": candidate, "baseline": baseline or (str(baseline_results) if baseline_results else None),
             "tasks": tasks, **settings, "data": str(data_dir) if data_dir else "lm-eval's Hub datasets",
-            "lm_eval": cand.get("meta", {}).get("lm_eval")}
+            "lm_eval": cand.get("meta", {}).get("lm_eval"), "cpu_capability": _cpu_capability(device, backend)}
     return GateRun(verdicts, cand, base, base_from, meta)
+
+
+def _cpu_capability(device: str, backend: str) -> str | None:
+    from quantize.compute import cpu_capability
+
+    return cpu_capability() if backend == "hf" and device == "cpu" else None
 
 
 def _read_results(path: Path) -> dict:

@@ -31,16 +31,50 @@ def is_repo_id(src: str) -> bool:
     return bool(REPO_ID.match(src)) and not src.startswith((".", "/", "~"))
 
 
-def resolve(src: str) -> tuple[Path, dict]:
-    """(local folder, source info for the manifest). Downloads into the normal HF cache when needed."""
+def check_local(src: str) -> Path | None:
+    """The local folder SRC names, or None when SRC can only be a Hub repo id; a path that cannot be either is
+    an error here, before anything is imported or fetched."""
     path = Path(src).expanduser()
     if path.is_dir():
-        return path, {"path": str(path.resolve())}
+        return path
     if path.exists():
         raise UsageError(f"SRC {src} is a file; pass the model folder or a Hub repo id (org/name)")
-    if not is_repo_id(src):
-        raise UsageError(f"SRC {src} not found: not a folder, and not a Hub repo id of the form org/name[@revision]")
+    if not is_repo_id(src) or _looks_local(path):
+        parent = next((p for p in path.parents if p.is_dir() and str(p) != "."), None)
+        where = f": {parent}/ has no {path.relative_to(parent).parts[0]}" if parent else ""
+        raise UsageError(f"SRC {src} does not exist{where}; pass an existing model folder"
+                         + ("" if _looks_local(path) or not REPO_ID.match(src) else " or a Hub repo id (org/name)"))
+    return None
+
+
+def _looks_local(path: Path) -> bool:
+    """`fixtures/x` where ./fixtures is a folder is a path that is missing, not a Hub repo named fixtures/x."""
+    return len(path.parts) > 1 and Path(path.parts[0]).is_dir()
+
+
+def resolve(src: str) -> tuple[Path, dict]:
+    """(local folder, source info for the manifest). Downloads into the normal HF cache when needed."""
+    path = check_local(src)
+    if path is not None:
+        return path, {"path": str(path.resolve())}
     return download(src)
+
+
+def fetch_config(src: str) -> Path:
+    """config.json of a Hub repo id (into the HF cache, or from it when offline), for what needs only the shapes."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
+
+    repo_id, revision = split_revision(src)
+    try:
+        return Path(hf_hub_download(repo_id, "config.json", revision=revision))
+    except LocalEntryNotFoundError as e:
+        raise QuantizeError(f"{src}: config.json is not in the HF cache and the Hub cannot be reached; pass a local "
+                            "config.json or model folder, or run where the Hub is reachable") from e
+    except EntryNotFoundError as e:
+        raise QuantizeError(f"{src} has no config.json on the Hub") from e
+    except HfHubHTTPError as e:
+        raise QuantizeError(f"Hub error for {src}: {e}".splitlines()[0]) from e
 
 
 def download(src: str) -> tuple[Path, dict]:
@@ -59,14 +93,15 @@ def download(src: str) -> tuple[Path, dict]:
     except GatedRepoError as e:
         raise QuantizeError(f"{repo_id} is gated: accept its licence on the Hub and set HF_TOKEN") from e
     except RepositoryNotFoundError as e:
-        raise QuantizeError(f"{repo_id} not found on the Hub (or private: set HF_TOKEN)") from e
+        raise QuantizeError(f"{src} is not a local folder, and {repo_id} is not a repo on the Hub (or it is private: "
+                            "set HF_TOKEN)") from e
     except RevisionNotFoundError as e:
         raise QuantizeError(f"{repo_id} has no revision {revision!r}") from e
     except LocalEntryNotFoundError as e:
         offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
         raise QuantizeError(
-            f"{src} is not in the HF cache and the Hub cannot be reached{offline}; run `quantize download {src}` "
-            "where the Hub is reachable, or pass a local folder"
+            f"{src} is not a local folder, and as a Hub repo id it is not in the HF cache and the Hub cannot be "
+            f"reached{offline}; run `quantize download {src}` where the Hub is reachable, or pass a local folder"
         ) from e
     except HfHubHTTPError as e:
         raise QuantizeError(f"Hub error for {src}: {e}".splitlines()[0]) from e
@@ -94,6 +129,14 @@ def check_blobs(folder: Path) -> int:
                                 f"download is corrupt: delete {p.resolve()} and run `quantize download` again")
         n += 1
     return n
+
+
+def snapshot_roots(folder: Path) -> list[Path]:
+    """The folders a checkpoint's files may live in, resolved: the folder itself and, for a snapshot in the HF
+    cache (`models--org--name/snapshots/REV/`, whose files link to `../../blobs/<sha256>`), its repo's blobs/."""
+    root = Path(folder).resolve()
+    blobs = root.parent.parent / "blobs"
+    return [root, blobs] if root.parent.name == "snapshots" and blobs.is_dir() else [root]
 
 
 def hub_sha256(path: Path) -> str | None:

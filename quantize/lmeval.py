@@ -43,6 +43,57 @@ def _lm_eval():
     return lm_eval
 
 
+# where lm-eval's own definition of each task names its Hub dataset (dataset_path)
+HUB_TASK_FILES = {"gsm8k": "gsm8k/gsm8k.yaml", "arc_challenge": "arc/arc_easy.yaml",
+                  "mmlu": "mmlu/default/_default_template_yaml"}
+
+
+def check_hub_data(tasks: list[str], probe_seconds: float = 3.0) -> None:
+    """Without --data-dir, lm-eval reads each task's Hub dataset: fail now, in seconds, when a dataset is neither
+    in the HF cache nor reachable, instead of after lm-eval's retries (77-98 s measured) with a message that
+    never says --data-dir."""
+    import re
+
+    missing = []
+    for task in tasks:
+        m = re.search(r"^dataset_path:\s*(\S+)", (_builtin_tasks() / HUB_TASK_FILES[task]).read_text(), re.M)
+        if m and not _dataset_cached(m[1]):
+            missing.append(f"{task} ({m[1]})")
+    if not missing:
+        return
+    why = _hub_unreachable(probe_seconds)
+    if why:
+        raise EvalError(f"lm-eval would read {', '.join(missing)} from the Hub, which {why}, and the HF cache does not "
+                        "hold them: pass --data-dir DIR with local copies (the layout of ../shared/data)")
+
+
+def _dataset_cached(repo: str) -> bool:
+    from huggingface_hub import constants
+
+    hub = Path(constants.HF_HUB_CACHE) / "--".join(["datasets", *repo.split("/")])
+    processed = Path(os.environ.get("HF_DATASETS_CACHE", Path(constants.HF_HOME) / "datasets"))
+    return (hub / "snapshots").is_dir() or (processed / repo.replace("/", "___")).is_dir()
+
+
+def _hub_unreachable(seconds: float) -> str | None:
+    """Why the Hub cannot be reached (offline mode, no connection), or None when it answers or a proxy decides."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_DATASETS_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        return "is switched off here (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # only the proxy knows; let lm-eval try
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=seconds).close()
+    except OSError as e:
+        return f"cannot be reached from here ({url.hostname}: {e.strerror or type(e).__name__})"
+    return None
+
+
 def _builtin_tasks() -> Path:
     return Path(_lm_eval().tasks.__file__).parent
 
@@ -179,8 +230,28 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("QUANTIZE_CACHE", Path.home() / ".cache" / "quantize")) / "eval"
 
 
-def model_args(backend: str, folder: Path, tp: int, trust_remote_code: bool) -> str:
-    args = [f"pretrained={folder}", "dtype=auto"]
+def eval_dtype(folder: Path, backend: str, device: str, request: str = "auto") -> str:
+    """lm-eval's `dtype` for the hf backend: `auto` (the checkpoint's own) unless that dtype is slow on this CPU
+    (compute.py), then float32. The engines choose their own."""
+    if backend != "hf":
+        return "auto"
+    import torch
+
+    from quantize import compute
+
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    name = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    model = getattr(torch, str(name), torch.bfloat16)
+    model = model if isinstance(model, torch.dtype) else torch.bfloat16
+    return "float32" if compute.choose(model, device.split(":")[0] if device != "auto" else "cpu", request) != model else "auto"
+
+
+def model_args(backend: str, folder: Path, tp: int, trust_remote_code: bool, dtype: str = "auto") -> str:
+    args = [f"pretrained={folder}", f"dtype={dtype}"]
     if backend == "vllm":
         args.append(f"tensor_parallel_size={tp}")
     elif backend == "sglang":
@@ -199,17 +270,37 @@ def check_backend(backend: str) -> None:
 
 def evaluate(folder: Path, tasks: list[str], *, backend: str = "hf", device: str = "cpu", batch_size: int | str = 8,
              limit: int | None = None, num_fewshot: int | None = None, tp: int = 1, include_path: Path | None = None,
-             log_samples: Path | None = None, trust_remote_code: bool = False) -> dict:
-    """lm-eval's results for one model: {results, n-samples, n-shot, versions, group_subtasks, meta}."""
+             log_samples: Path | None = None, trust_remote_code: bool = False, dtype: str = "auto",
+             verbose: bool = False) -> dict:
+    """lm-eval's results for one model: {results, n-samples, n-shot, versions, group_subtasks, meta}; meta's
+    `truncated` counts the prompts cut to the model's context (said once by the caller, not once per item)."""
+    from quantize import quiet
+
     lm_eval = _lm_eval()
     check_backend(backend)
     from lm_eval.tasks import TaskManager
 
-    manager = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else TaskManager()
     t0 = time.perf_counter()
+    with quiet.libraries(verbose) as dropped:
+        out = _simple_evaluate(lm_eval, TaskManager, folder, tasks, backend, device, batch_size, limit, num_fewshot, tp,
+                               include_path, log_samples, trust_remote_code, dtype)
+    if not out or not out.get("results"):
+        raise EvalError(f"lm-eval returned no results for {folder}")
+    if log_samples is not None:
+        _write_samples(out.get("samples") or {}, log_samples)
+    keep = {k: out.get(k) for k in ("results", "n-samples", "n-shot", "versions", "group_subtasks")}
+    keep["meta"] = {"model": str(folder), "backend": backend, "lm_eval": lm_eval.__version__, "limit": limit,
+                    "num_fewshot": num_fewshot, "seconds": round(time.perf_counter() - t0, 1),
+                    "truncated": {"prompts": dropped.truncated, "max_length": dropped.max_length}}
+    return json.loads(json.dumps(keep, default=_jsonable))
+
+
+def _simple_evaluate(lm_eval, TaskManager, folder, tasks, backend, device, batch_size, limit, num_fewshot, tp,
+                     include_path, log_samples, trust_remote_code, dtype) -> dict:
+    manager = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else TaskManager()
     try:
-        out = lm_eval.simple_evaluate(
-            model=backend, model_args=model_args(backend, folder, tp, trust_remote_code), tasks=list(tasks),
+        return lm_eval.simple_evaluate(
+            model=backend, model_args=model_args(backend, folder, tp, trust_remote_code, dtype), tasks=list(tasks),
             num_fewshot=num_fewshot, batch_size=batch_size, device=device if backend == "hf" else None, limit=limit,
             task_manager=manager, log_samples=log_samples is not None, random_seed=0, numpy_random_seed=1234,
             torch_random_seed=1234, fewshot_random_seed=1234,
@@ -217,14 +308,6 @@ def evaluate(folder: Path, tasks: list[str], *, backend: str = "hf", device: str
     except Exception as e:  # lm-eval and the backends raise anything; the run cannot give a verdict
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise EvalError(f"lm-eval could not evaluate {folder}: {type(e).__name__}: {first}") from e
-    if not out or not out.get("results"):
-        raise EvalError(f"lm-eval returned no results for {folder}")
-    if log_samples is not None:
-        _write_samples(out.get("samples") or {}, log_samples)
-    keep = {k: out.get(k) for k in ("results", "n-samples", "n-shot", "versions", "group_subtasks")}
-    keep["meta"] = {"model": str(folder), "backend": backend, "lm_eval": lm_eval.__version__, "limit": limit,
-                    "num_fewshot": num_fewshot, "seconds": round(time.perf_counter() - t0, 1)}
-    return json.loads(json.dumps(keep, default=_jsonable))
 
 
 def _jsonable(o) -> str:

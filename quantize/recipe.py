@@ -177,7 +177,8 @@ def _scheme(raw: object, where: str) -> Scheme:
         raise UsageError(f"{where}: schemes are INT4 groups (num_bits 4, type int, strategy group) "
                          "or FP8 blocks (num_bits 8, type float, strategy block, block_structure [128, 128])")
     if s.group_size not in GROUP_SIZES:
-        raise UsageError(f"{where}: group_size {s.group_size} is not one vLLM's Marlin kernels serve; use one of {GROUP_SIZES}")
+        raise UsageError(f"{where}: group_size {s.group_size} is not one that vLLM's Marlin kernels serve; "
+                         f"use one of {GROUP_SIZES}")
     return s
 
 
@@ -256,7 +257,9 @@ def load(path: Path) -> Recipe:
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise UsageError(f"{path}: not valid YAML ({e})") from e
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise UsageError(f"{path}: not valid YAML: {getattr(e, 'problem', None) or ' '.join(str(e).split())}{where}") from e
     return from_dict(raw, str(path))
 
 

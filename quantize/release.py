@@ -44,6 +44,7 @@ class Report:
     commit: dict | None = None
     exit_code: int | None = None
     error: str | None = None
+    saved: bool = False  # written to the work dir (never when the work dir overlaps the source)
 
     def step(self, name: str) -> Step | None:
         return next((s for s in self.steps if s.name == name), None)
@@ -70,6 +71,7 @@ class Report:
         return "\n".join(lines) + "\n"
 
     def write(self, work_dir: Path) -> None:
+        self.saved = True
         work_dir.mkdir(parents=True, exist_ok=True)
         for name, text in ((REPORT_JSON, json.dumps(self.to_dict(), indent=1, default=str)), (REPORT_MD, self.markdown())):
             tmp = work_dir / f".{name}.tmp"
@@ -211,15 +213,18 @@ def work_dir_for(work_dir: str | None, repo_id: str) -> Path:
     return Path(work_dir) if work_dir else Path("release") / repo_id.replace("/", "--")
 
 
-def reusable(model_dir: Path, recipe) -> bool:
-    """A finished conversion in the work dir counts only if it was made with this very recipe."""
-    manifest = model_dir / MANIFEST_NAME
-    if not manifest.is_file():
-        return False
+def reuse_refusal(model_dir: Path, planned) -> str | None:
+    """None when the finished conversion in the work dir is the one this release would make (the fingerprint
+    `--resume` checks: source files, recipe, calibration, layout, tool version), else why it is not."""
+    from quantize.engine.state import changed
+    from quantize.engine.stream import plan_fingerprint
+
     try:
-        return json.loads(manifest.read_text()).get("recipe") == recipe.to_dict()
-    except ValueError:
-        return False
+        saved = json.loads((model_dir / MANIFEST_NAME).read_text()).get("fingerprint")
+    except (OSError, ValueError):
+        return f"{model_dir} holds no readable {MANIFEST_NAME}"
+    now = plan_fingerprint(planned)
+    return None if saved == now else f"{model_dir} was converted with another {changed(saved, now)}"
 
 
 # ---- the job --------------------------------------------------------------------------------------------
@@ -245,6 +250,7 @@ class Options:
     tag: str | None = None
     dry_run: bool = False
     max_shard_size: int = 5 * 10**9
+    verbose: bool = False
 
 
 def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) -> tuple[Report, list[dict]]:
@@ -254,7 +260,7 @@ def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) 
     from quantize import gate, hub, plan, tensor_plan
     from quantize import recipe as recipes
     from quantize.checkpoint import Checkpoint
-    from quantize.engine.stream import partial_dir
+    from quantize.destination import Overlap, check_apart, partial_dir
     from quantize.verify import verify
 
     report = Report(src=o.src, repo_id=o.repo_id, recipe=str(o.recipe_path), work_dir=str(o.work_dir), dry_run=o.dry_run)
@@ -269,13 +275,17 @@ def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) 
             r = replace(r, calibration=replace(r.calibration, data=o.calib))
         gate.load_gate(o.gate_path, list(o.tasks))  # a bad gate file fails now, not after the conversion
         folder, _ = hub.resolve(o.src)
+        check_apart(folder, {"--work-dir": o.work_dir})
         ckpt = Checkpoint(folder)
         planned = tensor_plan.build(ckpt, r, o.max_shard_size, device=o.device)  # a recipe that cannot apply fails now
         model_dir = o.work_dir / MODEL_DIR
         o.work_dir.mkdir(parents=True, exist_ok=True)
 
         step = Timer(report, "convert")
-        if model_dir.is_dir() and reusable(model_dir, r):
+        if model_dir.is_dir():
+            why = reuse_refusal(model_dir, planned)
+            if why:
+                raise UsageError(f"{why}; it cannot be reused for this release: delete it or choose another --work-dir")
             step.done("reused", out=str(model_dir))
         else:
             resume = partial_dir(model_dir).is_dir()
@@ -300,7 +310,7 @@ def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) 
         step = Timer(report, "eval")
         gate_run = gate.run_gate(str(model_dir), baseline=o.src, tasks=list(o.tasks), gate_path=o.gate_path,
                                  backend=o.backend, device=o.device if o.backend == "hf" else "auto", limit=o.limit,
-                                 tp=o.eval_tp, data_dir=o.data_dir, status=status)
+                                 tp=o.eval_tp, data_dir=o.data_dir, verbose=o.verbose, status=status)
         md = gate.markdown(gate_run.verdicts, o.src, o.repo_id,
                            {k: gate_run.meta.get(k) for k in ("backend", "limit", "num_fewshot", "lm_eval")})
         step.done("passed" if gate_run.passed else "failed", markdown=md,
@@ -331,14 +341,17 @@ def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) 
                                                private=o.private, tag=o.tag)
             step.done("done", commit=report.commit)
         return _finish(report, o.work_dir, EXIT_RELEASED), files
+    except Overlap as e:  # the work dir would be written into the source: not even the report goes there
+        return _finish(report, None, EXIT_ERROR, str(e)), files
     except QuantizeError as e:
         return _finish(report, o.work_dir, EXIT_ERROR, str(e)), files
 
 
-def _finish(report: Report, work_dir: Path, code: int, error: str | None = None) -> Report:
+def _finish(report: Report, work_dir: Path | None, code: int, error: str | None = None) -> Report:
     report.exit_code, report.error = code, error
     for s in report.steps:
         if s.status == "running":
             s.status = "failed"
-    report.write(work_dir)
+    if work_dir is not None:
+        report.write(work_dir)
     return report

@@ -506,6 +506,10 @@ def main() -> None:
     a = p.parse_args()
     result = {"rtn": bench_rtn, "gptq": bench_calibrated, "awq": bench_calibrated, "depth": bench_depth,
               "scale": bench_scale, "moe-layer": bench_moe_layer}[a.what](a)
+    # figures from one kind of CPU do not carry to another (bf16 GEMMs: ~50x slower on AVX2): say which ran them
+    from quantize.compute import cpu_capability
+
+    result = {"cpu_capability": cpu_capability(), **result}
     text = json.dumps(result, indent=2)
     print(text)
     if a.json_out:

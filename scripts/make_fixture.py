@@ -3,6 +3,8 @@
 
     python scripts/make_fixture.py OUT_DIR [--kind kimi-k2-fp8|kimi-k25-int4|glm4-moe-bf16|glm4-moe-fp8|glm5-bf16|llama-bf16|all]
 
+Without --kind, a folder named after a kind (fixtures/llama-bf16) gets that kind; any other name is an error.
+
 Weights come from the real transformers classes (random init, fixed seed), saved by transformers in the
 checkpoint layout (experts unfused), then re-encoded the way the real releases are:
   kimi-k2-fp8    Kimi K2 Instruct: model_type kimi_k2 + auto_map (remote code that must never run), DeepSeek
@@ -297,9 +299,13 @@ def build(kind: str, out: Path) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out_dir", type=Path)
-    p.add_argument("--kind", choices=[*BUILDERS, "all"], default="kimi-k2-fp8")
+    p.add_argument("--kind", choices=[*BUILDERS, "all"], help="[the folder's name, when it is a kind]")
     a = p.parse_args()
-    kinds = list(BUILDERS) if a.kind == "all" else [a.kind]
+    kind = a.kind or (a.out_dir.name if a.out_dir.name in BUILDERS else None)
+    if kind is None:
+        p.error(f"{a.out_dir.name!r} is not a fixture kind: name the folder after one or pass --kind "
+                f"({', '.join(BUILDERS)}, all)")
+    kinds = list(BUILDERS) if kind == "all" else [kind]
     for kind in kinds:
         target = a.out_dir / kind if len(kinds) > 1 else a.out_dir
         build(kind, target)

@@ -21,6 +21,14 @@ RECIPE_FOR = {
 }
 
 
+def pytest_terminal_summary(terminalreporter):
+    from quantize.compute import choose, cpu_capability
+
+    # bf16 forwards are ~50x slower on AVX2 CPUs, where they run in float32: the log says which kind ran the tests
+    terminalreporter.write_line(f"CPU capability: {cpu_capability()}; bf16 forwards computed in "
+                                f"{str(choose(torch.bfloat16, 'cpu')).removeprefix('torch.')}")
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fixtures")

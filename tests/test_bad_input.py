@@ -52,7 +52,8 @@ def write_index(src, index):
 def test_missing_src_is_a_usage_error(tmp_path):
     out = tmp_path / "out"
     code, err = convert(tmp_path / "nope", out)
-    assert_fails(code, err, 2, "not found")
+    assert_fails(code, err, 2, "does not exist", "has no nope")
+    assert "Hub" not in err  # an absolute path cannot be a repo id
     assert not out.exists()
 
 
@@ -261,3 +262,43 @@ def test_the_hub_token_is_never_printed_or_written(fixtures_dir, tmp_path):
     assert token not in r.output and token not in r.stderr
     for p in out.iterdir():
         assert token.encode() not in p.read_bytes(), p.name
+
+
+def test_a_missing_relative_path_is_said_to_be_missing_not_taken_for_a_hub_id(tmp_path, monkeypatch):
+    """`fixtures/does-not-exist` where ./fixtures is a folder is a missing path (exit 2, no Hub word); `org/name`
+    with no such local folder is read as a Hub repo id, and its error says it is not a local folder either."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "fixtures").mkdir()
+    code, err = convert("fixtures/does-not-exist", tmp_path / "out")
+    assert_fails(code, err, 2, "fixtures/does-not-exist does not exist", "fixtures/ has no does-not-exist")
+    assert "Hub" not in err and "download" not in err
+    code, err = run_cli("inspect", "nobody/model", env={"HF_HUB_OFFLINE": "1"})
+    assert code == 1 and "is not a local folder" in err, err
+
+
+def test_plan_reads_a_hub_id_from_its_config_alone(tmp_path, monkeypatch):
+    """plan SRC with a Hub repo id fetches config.json only (here from an HF cache laid out by hand, offline)."""
+    from huggingface_hub import constants
+
+    snap = tmp_path / "hub" / "models--moonshotai--Kimi-K2-Instruct" / "snapshots" / ("c" * 40)
+    snap.mkdir(parents=True)
+    shutil.copy(RECIPES.parent / "tests" / "data" / "kimi-k2-instruct-config.json", snap / "config.json")
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text("c" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    r = CliRunner().invoke(main, ["plan", "moonshotai/Kimi-K2-Instruct", "--kv-budget-gib", "44.9", "--json"])
+    assert r.exit_code == 0, r.output
+    tokens = {(s["weights"].split(" ")[0], s["kv_dtype"]): s["total_tokens"] for s in json.loads(r.stdout)["scenarios"]}
+    assert tokens[("source", "bf16")] == 686_062 and tokens[("source", "fp8")] == 1_372_125  # README's Kimi figures
+    code, err = run_cli("plan", "nobody/no-such-model", env={"HF_HUB_OFFLINE": "1"})
+    assert code == 1 and "not in the HF cache" in err, err
+
+
+def test_small_usage_errors_are_caught_up_front(kimi, tmp_path):
+    code, err = run_cli("verify", tmp_path, "--deep")  # --deep needs the source: a usage error, before any hashing
+    assert code == 2 and "--source" in err, err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nscheme: [unclosed\n")
+    code, err = convert(kimi, tmp_path / "out", "--recipe", bad)
+    assert code == 2 and "\\n" not in err and "line 3" in err, err

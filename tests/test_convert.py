@@ -190,8 +190,34 @@ def test_resume_with_another_recipe_is_refused(fixtures_dir, tmp_path):
 
     State.open(tmp_path / "out.partial", stream.plan_fingerprint(plan), resume=False)
     other = build(ckpt, recipe.preset("w4a16", 64), 2**30)
-    with pytest.raises(UsageError, match="cannot be resumed"):
+    with pytest.raises(UsageError, match="started with another recipe; it cannot be resumed"):
         stream.run(other, tmp_path / "out", resume=True)
+
+
+def test_refused_resume_names_what_changed_calibration_or_source(fixtures_dir, tmp_path):
+    import dataclasses
+    import shutil
+
+    from quantize.engine.state import State
+
+    src = tmp_path / "src"
+    shutil.copytree(fixtures_dir / "llama-bf16", src)
+    calib_a, calib_b = tmp_path / "a.txt", tmp_path / "b.txt"
+    calib_a.write_text("one text " * 50)
+    calib_b.write_text("another text " * 50)
+    r = recipe.preset("w4a16", 128, "gptq")
+    with_calib = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, data=str(calib_a)))
+    (tmp_path / "out.partial").mkdir()
+    State.open(tmp_path / "out.partial", stream.plan_fingerprint(build(Checkpoint(src), with_calib, 2**30)),
+               resume=False)
+    calib_a.write_text("the same path, other bytes " * 50)  # the data's bytes count, not only its path
+    with pytest.raises(UsageError, match=r"another calibration \(data, samples"):
+        stream.run(build(Checkpoint(src), with_calib, 2**30), tmp_path / "out", resume=True)
+    other = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, data=str(calib_b), seed=1))
+    State.open(tmp_path / "out.partial", stream.plan_fingerprint(build(Checkpoint(src), other, 2**30)), resume=False)
+    (src / "model-00001-of-00001.safetensors").touch()  # same tensors, but not the same file any more
+    with pytest.raises(UsageError, match=r"another source \(its files or config\); it cannot"):
+        stream.run(build(Checkpoint(src), other, 2**30), tmp_path / "out", resume=True)
 
 
 def test_tp_that_marlin_cannot_serve_is_refused_before_writing(fixtures_dir):

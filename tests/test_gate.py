@@ -189,3 +189,34 @@ def test_an_evaluation_that_cannot_run_exits_2_and_bad_options_too(tmp_path, fix
     nothing.write_text("{}")
     r = CliRunner().invoke(main, ["eval", str(broken), "--baseline-results", str(nothing)])
     assert r.exit_code == 2 and "no lm-eval `results`" in r.output
+
+
+def test_without_data_dir_unreachable_hub_data_fails_before_lm_eval_runs(tmp_path, fixtures_dir, monkeypatch):
+    """Offline, or with no route to the Hub, and the datasets not in the HF cache: an error that names --data-dir,
+    exit 2, before any model is loaded (lm-eval would retry for 77-98 s). Cached datasets need no Hub."""
+    import socket
+
+    from click.testing import CliRunner
+    from huggingface_hub import constants
+
+    from quantize.cli import main
+
+    def no_route(*a, **k):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    monkeypatch.setattr(socket, "create_connection", no_route)
+    monkeypatch.setattr(lmeval, "evaluate", lambda *a, **k: pytest.fail("lm-eval ran"))
+    llama = str(fixtures_dir / "llama-bf16")
+    r = CliRunner().invoke(main, ["eval", llama, "--baseline", llama, "--tasks", "gsm8k,arc_challenge", "--device", "cpu"])
+    assert r.exit_code == 2, r.output
+    assert "gsm8k (openai/gsm8k), arc_challenge (allenai/ai2_arc)" in r.stderr and "--data-dir" in r.stderr
+    assert "cannot be reached" in r.stderr
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    r = CliRunner().invoke(main, ["eval", llama, "--baseline", llama, "--tasks", "mmlu", "--device", "cpu"])
+    assert r.exit_code == 2 and "HF_HUB_OFFLINE" in r.stderr and "cais/mmlu" in r.stderr, r.output
+    (tmp_path / "hub" / "datasets--cais--mmlu" / "snapshots").mkdir(parents=True)
+    lmeval.check_hub_data(["mmlu"])  # in the HF cache: no Hub needed
+    (tmp_path / "datasets" / "openai___gsm8k").mkdir(parents=True)
+    lmeval.check_hub_data(["gsm8k"])  # datasets' own processed cache counts too

@@ -207,7 +207,7 @@ def test_release_dry_run_resumes_a_broken_conversion_and_errors(hub, source, tmp
         return FakeHub.__call__(hub, request)
 
     _http.set_client_factory(lambda: httpx.Client(transport=httpx.MockTransport(refuse), follow_redirects=True))
-    refused = CliRunner().invoke(main, release_args(source, tmp_path, lenient))
+    refused = CliRunner().invoke(main, release_args(source, tmp_path, lenient, "--max-shard-size", "300KB"))
     assert refused.exit_code == 2 and "upload to acme/tiny-llama-w4a16 failed" in refused.output
     assert hub.tags == [] and TOKEN not in refused.output
 
@@ -237,3 +237,30 @@ def test_release_sh_runs_the_job_from_environment_variables_and_keeps_the_artifa
     assert sorted(x.name for x in (tmp_path / "artifacts").iterdir()) == [
         "model-card.md", "release-report.json", "release-report.md"]
     assert "release: done" in p.stdout
+
+
+def test_release_refuses_to_reuse_a_conversion_of_another_source(hub, source, tmp_path):
+    """A finished conversion in the work dir is reused only when it has the fingerprint `--resume` checks: made
+    from another source (same tensor names and shapes, other weights), it is refused with the reason, and
+    nothing is evaluated against the wrong model."""
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other"
+    shutil.copytree(source, other)
+    shard = other / "model-00001-of-00001.safetensors"
+    tensors = load_file(shard)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2
+    save_file(tensors, shard, metadata={"format": "pt"})
+    from quantize import recipe as recipes
+    from quantize.checkpoint import Checkpoint
+    from quantize.engine import stream
+    from quantize.tensor_plan import build
+
+    work = tmp_path / "work"
+    stream.run(build(Checkpoint(other), recipes.load(RECIPES / "dense-w4a16.yaml"), 5 * 10**9), work / release.MODEL_DIR)
+    lenient = gate_file(tmp_path, "lenient", {"max_drop": 100, "min_recovery": 0})
+    result = CliRunner().invoke(main, release_args(source, tmp_path, lenient, "--dry-run"))
+    assert result.exit_code == 2, result.output
+    assert "was converted with another source (its files or config)" in result.stderr
+    doc = json.loads((work / release.REPORT_JSON).read_text())
+    assert [s["name"] for s in doc["steps"]] == ["convert"] and doc["steps"][0]["status"] == "failed"

@@ -26,6 +26,7 @@ class Job:
     offload: str
     allow_nonfinite: bool = False
     start_layer: int = 0  # a resumed run continues from rank 0's layer checkpoint
+    compute_dtype: str = "auto"  # rank 0's choice (compute.py), so that every rank computes alike
 
 
 def _free_port() -> int:
@@ -92,7 +93,8 @@ def run_rank(job: Job, device: torch.device) -> None:
 
     plan = build(Checkpoint(Path(job.src), job.allow_nonfinite), recipe.from_dict(job.recipe, "rank job"), job.max_shard_size)
     samples = [torch.tensor([ids], dtype=torch.long) for ids in job.samples]
-    q = LayerwiseQuantizer(plan, samples, device, job.offload)
+    compute = None if job.compute_dtype == "auto" else getattr(torch, job.compute_dtype)
+    q = LayerwiseQuantizer(plan, samples, device, job.offload, compute_dtype=compute)
     q.next_layer = job.start_layer
     try:
         q.run_worker()

@@ -26,10 +26,11 @@ CALIB_DIR = "calib"
 META_NAME = "layers.json"
 
 
-def samples_key(samples: list[torch.Tensor], device: torch.device) -> str:
-    """What the checkpoint's numbers depend on beyond the state fingerprint: the calibration tokens and the kind
-    of device (CPU and CUDA kernels round differently, so a run is only byte-identical on its own kind)."""
-    h = hashlib.sha256(device.type.encode())
+def samples_key(samples: list[torch.Tensor], device: torch.device, compute_dtype: torch.dtype) -> str:
+    """What the checkpoint's numbers depend on beyond the state fingerprint: the calibration tokens, the kind
+    of device and the compute dtype (CPU and CUDA kernels, bf16 and float32 forwards round differently, so a
+    run is only byte-identical on its own kind)."""
+    h = hashlib.sha256(f"{device.type} {compute_dtype}".encode())
     for s in samples:
         h.update(s.to("cpu", torch.int64).contiguous().numpy().tobytes())
         h.update(b"|")

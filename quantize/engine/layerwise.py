@@ -28,7 +28,7 @@ import psutil
 import torch
 from torch import nn
 
-from quantize import kvcache
+from quantize import compute, kvcache
 from quantize.engine.layer_state import CALIB_DIR, LayerCheckpoint, Resume, samples_key
 from quantize.errors import QuantizeError
 from quantize.quant import awq, gptq, pack, rtn
@@ -212,7 +212,8 @@ class LayerwiseQuantizer:
     def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device, offload: str = "auto",
                  on_layer: Callable[[LayerReport, int], None] | None = None,
                  on_expert: Callable[[int, int], None] | None = None, checkpoint: LayerCheckpoint | None = None,
-                 resume: Resume | None = None, finished: Callable[[], set[str]] = frozenset):
+                 resume: Resume | None = None, finished: Callable[[], set[str]] = frozenset,
+                 compute_dtype: torch.dtype | None = None):
         self.plan, self.device, self.on_layer, self.on_expert = plan, device, on_layer, on_expert
         self.checkpoint, self.finished = checkpoint, finished
         self.written = finished()  # tensors of shards finished before a resume: not kept if recomputed
@@ -221,10 +222,12 @@ class LayerwiseQuantizer:
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
         self.recipe, self.model, self.ckpt = plan.recipe, plan.model, plan.ckpt
+        # what is written keeps the model's dtype; forwards and activations use the compute dtype (compute.py)
         self.dtype = plan.ckpt.dtype
-        self.config = self.model.transformers_config(self.dtype)
+        self.compute = compute_dtype or compute.choose(self.dtype, device)
+        self.config = self.model.transformers_config(self.compute)
         with torch.device("meta"):
-            self.skeleton = self.model.causal_lm_class()._from_config(self.config, dtype=self.dtype)
+            self.skeleton = self.model.causal_lm_class()._from_config(self.config, dtype=self.compute)
         self.entries = {e.tensor.name: e for e in plan.entries}
         self.awq_rows = self.recipe.awq.max_tokens
         self.targets = {e.tensor.name: e for e in plan.entries if e.action == "quantize" and e.role.layer is not None
@@ -234,7 +237,7 @@ class LayerwiseQuantizer:
         self.next_layer = 0
         hidden = self.model.hidden_size
         tokens = sum(s.numel() for s in samples)
-        need = tokens * hidden * torch.finfo(self.dtype).bits // 8 * 3
+        need = tokens * hidden * self.compute.itemsize * 3
         self.stats.offload = choose_offload(offload, device, need)
         # disk offload goes where TMPDIR points: put it on a fast disk with room for the activations
         self._tmp = Path(tempfile.mkdtemp(prefix="quantize-act-")) if self.stats.offload == "disk" else None
@@ -265,7 +268,7 @@ class LayerwiseQuantizer:
 
     def _embed(self, samples: list[torch.Tensor]) -> None:
         name = f"{self.model.prefix}model.embed_tokens.weight"
-        weight = self._decode(name).to(self.dtype)
+        weight = self._decode(name).to(self.compute)
         for ids in samples:
             self.hidden.append(nn.functional.embedding(ids.to(self.device), weight))
 
@@ -313,7 +316,7 @@ class LayerwiseQuantizer:
         if experts is not None and hasattr(experts, "gate_up_proj"):
             with torch.device("meta"):
                 layer.mlp.experts = UnfusedExperts(experts.num_experts, experts.hidden_dim, experts.intermediate_dim,
-                                                   experts.act_fn, self.dtype)
+                                                   experts.act_fn, self.compute)
         layer.to_empty(device=self.device)
         prefix = f"{self.model.prefix}model.layers.{i}."
         want = dict(layer.named_parameters()) | dict(layer.named_buffers())
@@ -529,7 +532,7 @@ class LayerwiseQuantizer:
             if parent == "self_attn":
                 loss = self._attention_loss(layer, [modules[b] for b in quantized], rec.attention_inputs)
             elif parent == "mlp":
-                loss = _module_loss(layer.mlp, [modules[b] for b in quantized], [X.to(self.device, self.dtype)[None]], g,
+                loss = _module_loss(layer.mlp, [modules[b] for b in quantized], [X.to(self.device, self.compute)[None]], g,
                                     s.symmetric)
             else:
                 loss = awq.linear_loss([(modules[b].weight.data, X.to(self.device)) for b in quantized], g, s.symmetric)
@@ -557,6 +560,7 @@ class LayerwiseQuantizer:
         """(codes, scale, zero_point, fallback) of one weight: GPTQ against H, or RTN when H is None. H is
         consumed (every Linear that shares it is in W): GPTQ frees it as soon as it has its working copy."""
         s, p = self.recipe.scheme, self.recipe.gptq
+        W = W.to(self.dtype)  # scales from the weight in the model's dtype, as compressed-tensors computes them
         scale, zp = rtn.group_qparams(W, s.group_size, s.num_bits, s.symmetric)
         if H is None:
             return rtn.quantize_groups(W, scale, zp, s.num_bits), scale, zp, False
@@ -627,7 +631,7 @@ class LayerwiseQuantizer:
                 module = getattr(m, leaf)
                 if self.world > 1:
                     done[leaf] = _broadcast_result(done.get(leaf), module.weight.shape, self.recipe.scheme, owner,
-                                                   module.weight.dtype, self.device)
+                                                   self.dtype, self.device)
                 if self.rank == 0:
                     self._commit(module, targets[name], *done[leaf], report)
             if self.on_expert is not None:
@@ -670,7 +674,8 @@ class LayerwiseQuantizer:
             inputs, routes = self._store(), []
             for s in range(len(self.positions)):
                 tokens = self.positions[s].numel()
-                inputs.append(_receive(torch.empty(tokens, self.model.hidden_size, dtype=self.dtype, device=self.device)))
+                inputs.append(_receive(torch.empty(tokens, self.model.hidden_size, dtype=self.compute,
+                                                   device=self.device)))
                 routes.append(_receive(torch.empty(tokens, self.config.num_experts_per_tok, dtype=torch.int64,
                                                    device=self.device)).to("cpu"))
             self._quantize_experts(experts, targets, inputs, routes, LayerReport(layer=i, seconds=0.0, modules=0))
@@ -678,9 +683,9 @@ class LayerwiseQuantizer:
             self.skeleton.model.layers[i] = nn.Module()
 
 
-def _check_checkpoint_space(partial: Path, plan: Plan, samples: list[torch.Tensor]) -> None:
+def _check_checkpoint_space(partial: Path, plan: Plan, samples: list[torch.Tensor], dtype: torch.dtype) -> None:
     """The layer checkpoint briefly holds two copies of the activations: refuse up front when they cannot fit."""
-    need = 2 * sum(s.numel() for s in samples) * plan.model.hidden_size * plan.ckpt.dtype.itemsize
+    need = 2 * sum(s.numel() for s in samples) * plan.model.hidden_size * dtype.itemsize
     free = shutil.disk_usage(partial).free
     if need > free:
         raise QuantizeError(f"the layer checkpoints need {need / 2**30:.1f} GiB in {partial} but "
@@ -911,8 +916,10 @@ class Calibrated:
 
     def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device, offload: str = "auto",
                  on_layer: Callable[[LayerReport, int], None] | None = None, devices: list[str] | None = None,
-                 on_expert: Callable[[int, int], None] | None = None):
-        check_layer_memory(plan, device, plan.ckpt.dtype)  # before OUT.partial exists: a refusal leaves nothing
+                 on_expert: Callable[[int, int], None] | None = None, compute_dtype: str = "auto"):
+        self.compute = compute.choose(plan.ckpt.dtype, device, compute_dtype)
+        self.cpu_capability = compute.cpu_capability() if device.type == "cpu" else None
+        check_layer_memory(plan, device, self.compute)  # before OUT.partial exists: a refusal leaves nothing
         self.args = (plan, samples, device, offload)
         self.on_layer, self.on_expert = on_layer, on_expert
         self.devices = devices or []
@@ -925,17 +932,18 @@ class Calibrated:
         from quantize.engine import distributed
 
         plan, samples, device, offload = self.args
-        checkpoint = LayerCheckpoint(partial / CALIB_DIR, samples_key(samples, device))
+        checkpoint = LayerCheckpoint(partial / CALIB_DIR, samples_key(samples, device, self.compute))
         resume = checkpoint.load()
-        _check_checkpoint_space(partial, plan, samples)
+        _check_checkpoint_space(partial, plan, samples, self.compute)
         if len(self.devices) > 1 and not torch.distributed.is_initialized():
             job = distributed.Job(str(plan.ckpt.root), plan.recipe.to_dict(), 1 << 62,
                                   [s[0].tolist() for s in samples], self.devices, offload, plan.ckpt.allow_nonfinite,
-                                  start_layer=resume.next_layer if resume else 0)
+                                  start_layer=resume.next_layer if resume else 0,
+                                  compute_dtype=str(self.compute).removeprefix("torch."))
             self._ranks = distributed.spawn(job)
         self.quantizer = LayerwiseQuantizer(plan, samples, device, offload, on_layer=self.on_layer,
                                             on_expert=self.on_expert, checkpoint=checkpoint, resume=resume,
-                                            finished=finished)
+                                            finished=finished, compute_dtype=self.compute)
         return self.quantizer.produce
 
     def close(self, ok: bool = True) -> None:

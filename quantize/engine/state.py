@@ -1,7 +1,8 @@
 """Finished units of a conversion, recorded in OUT.partial/state.json so that `--resume` continues.
 
-The fingerprint ties the state to its source, recipe, output layout and tool version: resuming with any of
-them changed would splice two different conversions together, so it is refused.
+The fingerprint ties the state to its source, recipe, calibration, output layout and tool version: resuming with
+any of them changed would splice two different conversions together, so it is refused, naming what changed. The
+manifest of a finished output records the same parts, so that `release` reuses only a conversion it would make.
 """
 
 import hashlib
@@ -15,32 +16,52 @@ from quantize.writer import write_json
 STATE_NAME = "state.json"
 
 
-def fingerprint(parts: dict) -> str:
-    payload = json.dumps({**parts, "tool_version": __version__}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()
+# what each part of a fingerprint means, for the message that refuses a resume or a reuse
+PART_NAMES = {"source": "source (its files or config)", "recipe": "recipe",
+              "calibration": "calibration (data, samples, sequence length or seed)",
+              "layout": "output layout (--max-shard-size)", "tool_version": "tool version"}
+
+
+def fingerprint_parts(parts: dict) -> dict[str, str]:
+    """{part: sha256 of its JSON}, `tool_version` added: small enough to keep in state.json and the manifest."""
+    parts = {**parts, "tool_version": __version__}
+    return {k: hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest() for k, v in sorted(parts.items())}
+
+
+def fingerprint(parts: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def changed(saved: dict | None, now: dict[str, str]) -> str:
+    """What differs between two fingerprints' parts, in words ("recipe and calibration (...)")."""
+    if not isinstance(saved, dict):
+        return "source, recipe, calibration, layout or tool version (recorded by an older quantize)"
+    names = [PART_NAMES.get(k, k) for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    return " and ".join(names) or "nothing"
 
 
 class State:
-    def __init__(self, partial: Path, fp: str, done: dict[str, dict]):
-        self.partial, self.fingerprint, self.done = partial, fp, done
+    def __init__(self, partial: Path, parts: dict[str, str], done: dict[str, dict]):
+        self.partial, self.parts, self.done = partial, parts, done
+        self.fingerprint = fingerprint(parts)
 
     @classmethod
-    def open(cls, partial: Path, fp: str, resume: bool) -> "State":
+    def open(cls, partial: Path, parts: dict[str, str], resume: bool) -> "State":
         path = partial / STATE_NAME
         if resume and path.is_file():
             saved = json.loads(path.read_text())
-            if saved.get("fingerprint") != fp:
+            if saved.get("fingerprint") != fingerprint(parts):
                 raise UsageError(
-                    f"{partial} was started with another source, recipe, layout or tool version; "
+                    f"{partial} was started with another {changed(saved.get('parts'), parts)}; "
                     "it cannot be resumed: rerun with --overwrite to start over"
                 )
-            return cls(partial, fp, saved.get("done", {}))
-        state = cls(partial, fp, {})
+            return cls(partial, parts, saved.get("done", {}))
+        state = cls(partial, parts, {})
         state.save()
         return state
 
     def save(self) -> None:
-        write_json(self.partial / STATE_NAME, {"fingerprint": self.fingerprint, "done": self.done})
+        write_json(self.partial / STATE_NAME, {"fingerprint": self.fingerprint, "parts": self.parts, "done": self.done})
 
     def mark(self, unit: str, **info) -> None:
         self.done[unit] = info

@@ -20,9 +20,10 @@ import torch
 
 from quantize import __version__
 from quantize.checkpoint import INDEX_NAME
+from quantize.destination import check_apart, partial_dir, prepare_check
 from quantize.engine.layer_state import CALIB_DIR
-from quantize.engine.state import STATE_NAME, State, fingerprint
-from quantize.errors import QuantizeError, UsageError
+from quantize.engine.state import STATE_NAME, State, fingerprint_parts
+from quantize.errors import QuantizeError
 from quantize.hub import hub_sha256
 from quantize.quant import fp8, pack, rtn
 from quantize.safetensors_file import read_tensor
@@ -154,29 +155,28 @@ def write_shard_pair(
         raise
 
 
-def partial_dir(out: Path) -> Path:
-    return out.with_name(out.name + ".partial")
+def plan_fingerprint(plan: Plan) -> dict[str, str]:
+    """What a conversion's bytes depend on, part by part (engine/state.py): `--resume` and `release`'s reuse
+    continue only work whose every part is the same."""
+    ckpt, recipe = plan.ckpt, plan.recipe.to_dict()
+    calibration = recipe.pop("calibration", None)
+    if calibration is not None:
+        data = Path(str(calibration.get("data") or ""))
+        calibration = {**calibration, "data_sha256": sha256_file(data) if data.is_file() else None}
+    return fingerprint_parts({
+        "source": {"tensors": {n: [t.main.path.name, t.main.start, t.main.nbytes] for n, t in ckpt.tensors.items()},
+                   "config": ckpt.config, "files": _source_files(ckpt.root)},
+        "recipe": recipe,
+        "calibration": calibration,
+        "layout": [[s.name for e in shard for s in e.outputs] for shard in plan.shards],
+    })
 
 
-def plan_fingerprint(plan: Plan) -> str:
-    ckpt = plan.ckpt
-    return fingerprint(
-        {
-            "source": {n: [t.main.path.name, t.main.start, t.main.nbytes] for n, t in ckpt.tensors.items()},
-            "source_config": ckpt.config,
-            "recipe": plan.recipe.to_dict(),
-            "shards": [[s.name for e in shard for s in e.outputs] for shard in plan.shards],
-        }
-    )
-
-
-def prepare_check(out: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse a destination that would lose work, before anything is read or written."""
-    partial = partial_dir(out)
-    if out.exists() and not overwrite:
-        raise UsageError(f"{out} already exists; pass --overwrite to replace it")
-    if partial.exists() and not (resume or overwrite):
-        raise UsageError(f"{partial} holds an interrupted conversion; pass --resume to continue it or --overwrite to start over")
+def _source_files(root: Path) -> dict[str, list]:
+    """Each source file's size and the Hub's sha256 (an HF-cache snapshot) or, for a local folder, its
+    modification time: another source with the same tensor names still differs here, at no read of the weights."""
+    return {p.name: [p.stat().st_size, hub_sha256(p) or p.stat().st_mtime_ns]
+            for p in sorted(root.iterdir()) if p.is_file() and not p.name.startswith(".")}
 
 
 def prepare(out: Path, resume: bool, overwrite: bool) -> Path:
@@ -228,6 +228,7 @@ class _Output:
                 "libraries": library_versions(),
                 "source": (source_info or {"path": str(plan.ckpt.root)}) | {"files": source_hashes.result()},
                 "recipe": plan.recipe.to_dict(),
+                "fingerprint": state.parts,
                 "files": files,
                 "tensors": {t: rec for n in names for t, rec in sorted(state.done[n].get("tensors", {}).items())},
             },
@@ -264,6 +265,7 @@ def run(
     `prefill=(plan2, out2)`: also write a second output (the FP8 prefill variant of a disaggregated pair) in the
     same pass; the two plans come from tensor_plan.pair, so shard i of both holds the same source tensors."""
     t0 = time.perf_counter()
+    check_apart(plan.ckpt.root, {"OUT": Path(out)} | ({"--prefill-out": Path(prefill[1])} if prefill else {}))
     if prefill is not None:
         prepare_check(Path(out), resume, overwrite)
         prepare_check(Path(prefill[1]), resume, overwrite)

@@ -1,0 +1,57 @@
+"""Every command block of README.md runs as written on a fresh clone.
+
+The blocks marked `<!-- cpu-example -->` run in order, in one shell, as a new user would type them: in a copy of
+the tracked tree with ../shared beside it, the first block creating and activating its own .venv with pip, and
+with an empty HF home and results cache. Every other bash block must say why it is not a CPU example."""
+
+import os
+import re
+import shutil
+import subprocess
+
+from conftest import ROOT
+
+README = ROOT / "README.md"
+BLOCK = re.compile(r"(?:<!-- (cpu-example|not-a-cpu-example: [^>]+) -->\n)?```bash\n(.*?)```", re.S)
+
+
+def blocks() -> list[tuple[str | None, str]]:
+    return [(m[1], m[2]) for m in BLOCK.finditer(README.read_text())]
+
+
+def test_every_bash_block_says_whether_it_is_a_cpu_example():
+    found = blocks()
+    assert len(found) >= 6
+    unmarked = [body.splitlines()[0] for mark, body in found if mark is None]
+    assert not unmarked, f"bash blocks with neither <!-- cpu-example --> nor <!-- not-a-cpu-example: why -->: {unmarked}"
+
+
+def fresh_clone(dest):
+    """The tracked files as they are in the working tree (what a clone of this commit holds), ../shared beside."""
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    for rel in filter(None, tracked.decode().split("\0")):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+    (dest.parent / "shared").symlink_to(ROOT.parent / "shared", target_is_directory=True)
+    return dest
+
+
+def test_readme_cpu_examples_run_as_written_in_a_fresh_clone(tmp_path):
+    examples = [body for mark, body in blocks() if mark == "cpu-example"]
+    assert examples[0].startswith("python3 -m venv .venv && . .venv/bin/activate && pip install")
+    clone = fresh_clone(tmp_path / "quantize")
+    script = "set -euo pipefail\n" + "".join(f"echo '### README block {i}'\n{body}" for i, body in enumerate(examples, 1))
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env |= {"HF_HOME": str(tmp_path / "hf-home"), "QUANTIZE_CACHE": str(tmp_path / "quantize-cache"),
+            "HF_HUB_OFFLINE": "1"}  # nothing in the examples may need the Hub
+    run = subprocess.run(["bash", "-c", script], cwd=clone, env=env, capture_output=True, text=True, timeout=1800)
+    log = run.stdout + run.stderr
+    block = (re.findall(r"### README block (\d+)", log) or ["none"])[-1]
+    assert run.returncode == 0, f"README block {block} failed (exit {run.returncode}):\n{log[-4000:]}"
+    assert log.count("### README block") == len(examples)
+    assert re.search(r"clean\W+\d+ files", log), log[-2000:]  # verify --deep after the first run
+    assert "dry run: would commit" in log and "PASS" in log  # the release dry run and the eval example
+    for out in ("kimi-k2-int4", "k2-fp8-block", "k2-int4", "k2-fp8", "kimi-gptq", "kimi-awq", "kimi-gptq-kv8"):
+        assert (clone / "out" / out / "quantize-manifest.json").is_file(), out
