@@ -728,7 +728,8 @@ def release(ctx, src, recipe_path, repo_id, gate_path, tasks, backend, eval_tp, 
     SRC, model card, upload. Only a release that passed every step is uploaded.
 
     \b
-    WORK_DIR/model is the converted checkpoint (a re-run resumes or reuses it), WORK_DIR/card/README.md the
+    WORK_DIR/model is the converted checkpoint (a re-run resumes it, or reuses it when it was made from the same
+    source files, recipe and calibration; anything else is refused with the reason), WORK_DIR/card/README.md the
     model card, WORK_DIR/release-report.json and .md the report, written whatever the outcome (CI keeps them
     as artifacts). The token comes from HF_TOKEN or the HF cache and is never printed.
     Exit codes: 0 released (or a dry run that passed), 1 gate failed (nothing uploaded), 2 error.

@@ -63,23 +63,26 @@ def resolve(src: str) -> tuple[Path, dict]:
 def fetch_config(src: str) -> Path:
     """config.json of a Hub repo id (into the HF cache, or from it when offline), for what needs only the shapes."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError
 
-    repo_id, revision = split_revision(src)
-    try:
-        return Path(hf_hub_download(repo_id, "config.json", revision=revision))
-    except LocalEntryNotFoundError as e:
-        raise QuantizeError(f"{src}: config.json is not in the HF cache and the Hub cannot be reached; pass a local "
-                            "config.json or model folder, or run where the Hub is reachable") from e
-    except EntryNotFoundError as e:
-        raise QuantizeError(f"{src} has no config.json on the Hub") from e
-    except HfHubHTTPError as e:
-        raise QuantizeError(f"Hub error for {src}: {e}".splitlines()[0]) from e
+    return _from_hub(src, lambda repo_id, revision: Path(hf_hub_download(repo_id, "config.json", revision=revision)),
+                     "its config.json", "pass a local config.json or model folder, or run where the Hub is reachable")
 
 
 def download(src: str) -> tuple[Path, dict]:
     from huggingface_hub import snapshot_download
+
+    repo_id, revision = split_revision(src)
+    folder = _from_hub(src, lambda r, v: Path(snapshot_download(r, revision=v, allow_patterns=ALLOW_PATTERNS)),
+                       "it", f"run `quantize download {src}` where the Hub is reachable, or pass a local folder")
+    checked = check_blobs(folder)
+    return folder, {"repo_id": repo_id, "revision": folder.name, "requested_revision": revision, "sha256_checked": checked}
+
+
+def _from_hub(src: str, fetch, what: str, fix: str):
+    """fetch(repo_id, revision), huggingface_hub's errors turned into one line that says what to do; `what` is
+    what was fetched (for a cache miss while offline) and `fix` the way out of that miss."""
     from huggingface_hub.errors import (
+        EntryNotFoundError,
         GatedRepoError,
         HfHubHTTPError,
         LocalEntryNotFoundError,
@@ -89,7 +92,7 @@ def download(src: str) -> tuple[Path, dict]:
 
     repo_id, revision = split_revision(src)
     try:
-        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS))
+        return fetch(repo_id, revision)
     except GatedRepoError as e:
         raise QuantizeError(f"{repo_id} is gated: accept its licence on the Hub and set HF_TOKEN") from e
     except RepositoryNotFoundError as e:
@@ -99,16 +102,14 @@ def download(src: str) -> tuple[Path, dict]:
         raise QuantizeError(f"{repo_id} has no revision {revision!r}") from e
     except LocalEntryNotFoundError as e:
         offline = " (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""
-        raise QuantizeError(
-            f"{src} is not a local folder, and as a Hub repo id it is not in the HF cache and the Hub cannot be "
-            f"reached{offline}; run `quantize download {src}` where the Hub is reachable, or pass a local folder"
-        ) from e
+        raise QuantizeError(f"{src} is not a local folder, and as a Hub repo id {what} is not in the HF cache and the "
+                            f"Hub cannot be reached{offline}; {fix}") from e
+    except EntryNotFoundError as e:
+        raise QuantizeError(f"{src} has no {what} on the Hub") from e
     except HfHubHTTPError as e:
         raise QuantizeError(f"Hub error for {src}: {e}".splitlines()[0]) from e
     except OSError as e:
         raise QuantizeError(f"cannot download {src}: {e}") from e
-    checked = check_blobs(folder)
-    return folder, {"repo_id": repo_id, "revision": folder.name, "requested_revision": revision, "sha256_checked": checked}
 
 
 def check_blobs(folder: Path) -> int:
