@@ -173,6 +173,16 @@ def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_cod
     return calibrated
 
 
+def _serving_table(rows, title: str = "serving (read from the engines' loaders)") -> None:
+    t = Table(title=title, title_justify="left")
+    for col in ("engine", "variant", "loads", "flags", "what the engine ignores or does"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        t.add_row(r.engine, r.variant, "[green]yes[/]" if r.loads else "[bold red]no[/]", " ".join(r.flags) or "-",
+                  "; ".join(r.notes) or "-")
+    out.print(t)
+
+
 def _calibration_table(stats, forwards: str) -> None:
     t = Table(title="calibration", title_justify="left")
     for col in ("layers", "experts calibrated", "fallbacks to RTN", "activations", "forwards in", "time"):
@@ -243,6 +253,12 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
     except QuantizeError as e:
         fail(e)
     s = tensor_plan.summary(plan)
+    rows = None
+    if (plan.ckpt.config.get("quantization_config") or {}).get("quant_method") == "compressed-tensors":
+        from quantize import serving
+
+        rows = serving.matrix_of(folder)  # a converted OUT: how the engines load it
+        s["serving"] = [r.to_dict() for r in rows]
     if as_json:
         out.print_json(json.dumps(s))
         return
@@ -262,6 +278,8 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
     t.add_row("output", f"{size_label(s['output_bytes'])} in {s['output_shards']} shard(s)")
     t.add_row("serves at TP", ", ".join(map(str, s["tp_served"])) or "none (Marlin rules)")
     out.print(t)
+    if rows:
+        _serving_table(rows)
     for w in s["warnings"]:
         err.print(f"[yellow]warning:[/] {w}", highlight=False)
 
@@ -429,6 +447,12 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
     }
     if result.prefill:
         report["prefill"] = result.prefill
+    from quantize import serving
+
+    matrices = {str(result.out): serving.matrix_of(result.out)}
+    if result.prefill:
+        matrices[result.prefill["out"]] = serving.matrix_of(result.prefill["out"])
+    report["serving"] = {k: [r.to_dict() for r in v] for k, v in matrices.items()}
     stats = calibrated.quantizer.stats if calibrated is not None and calibrated.quantizer is not None else None
     if stats is not None:
         report["calibration"] = {
@@ -461,6 +485,8 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         f"{result.gb_per_s:.2f} GB/s on {result.device}; serves at TP {', '.join(map(str, result.tp_served)) or 'none'}",
         highlight=False,
     )
+    for where, rows in matrices.items():
+        _serving_table(rows, f"serving {where} (read from the engines' loaders)")
     if result.prefill:
         pf = result.prefill
         out.print(f"prefill variant ({pf['scheme']}): {pf['out']}, {size_label(pf['output_bytes'])}, same pass; serves at TP "

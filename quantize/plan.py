@@ -130,14 +130,16 @@ def source_format_bytes(cfg: dict):
     return nbytes
 
 
-def recipe_bytes(recipe, include_mtp: bool = False):
-    """bytes(name, shape, role) of a tensor after `quantize convert` with `recipe`: targeted Linears INT4 with
-    their group scales (or FP8 blocks, for an fp8-block recipe), everything else BF16 (FP8 sources are
-    dequantized), MTP layers BF16 as in convert (unless `include_mtp`, which quantizes them like the decoder
-    layers, for comparison)."""
+def recipe_bytes(recipe, family: str, include_mtp: bool = False):
+    """bytes(name, shape, role) of a tensor after `quantize convert` with `recipe` on a model of `family`:
+    targeted Linears INT4 with their group scales (or FP8 blocks, for an fp8-block recipe) unless the engines
+    need them float (serving.keep_float), everything else BF16 (FP8 sources are dequantized), MTP layers BF16 as
+    in convert (unless `include_mtp`, which quantizes them like the decoder layers, for comparison)."""
+    from quantize import serving
 
     def nbytes(name: str, shape: tuple[int, ...], role: Role) -> int:
-        if (include_mtp or role.kind != "mtp") and recipe.targets_module(role.module, role.linear):
+        if ((include_mtp or role.kind != "mtp") and recipe.targets_module(role.module, role.linear)
+                and not serving.keep_float(family, role.module, recipe.scheme.fp8_block)):
             s = recipe.scheme
             if s.fp8_block:
                 return _fp8_block_bytes(shape, tuple(s.block_structure))
@@ -407,7 +409,7 @@ def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None, disaggregate
         source = weights_of(model, layout, source_format_bytes(cfg))
 
         def under(r) -> list[Weight]:
-            return weights_of(model, layout, recipe_bytes(r))
+            return weights_of(model, layout, recipe_bytes(r, model.arch.family))
 
         what = "config only: shapes from transformers' model class, " + (
             "FP8 blocks" if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8" else "as the config says")
@@ -430,8 +432,8 @@ def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None, disaggregate
     all_int4 = rec_int4 = None
     if is_glm5(cfg) and layout is not None:
         glm = recipes.from_dict(GLM_EXPERTS_G32, "built-in GLM release scheme")
-        rec_int4 = weights_of(model, layout, recipe_bytes(glm))
-        all_int4 = weights_of(model, layout, recipe_bytes(glm, include_mtp=True))
+        rec_int4 = weights_of(model, layout, recipe_bytes(glm, model.arch.family))
+        all_int4 = weights_of(model, layout, recipe_bytes(glm, model.arch.family, include_mtp=True))
     claims = published_claims(cfg, source, all_int4, rec_int4)
     for c in claims:
         if not c.holds:

@@ -120,23 +120,26 @@ def source_license(folder: Path) -> str | None:
         return None
 
 
-def serving_commands(repo_id: str, tp: int, tp_sizes: list[int], kv_fp8: bool, remote_code: bool) -> str:
-    flags_vllm = (" --kv-cache-dtype fp8" if kv_fp8 else "") + (" --trust-remote-code" if remote_code else "")
-    flags_sgl = (" --kv-cache-dtype fp8_e4m3" if kv_fp8 else "") + (" --trust-remote-code" if remote_code else "")
+def serving_commands(repo_id: str, tp: int, tp_sizes: list[int], rows, remote_code: bool) -> str:
+    """vllm serve / sglang.launch_server with every flag the serving matrix says the output needs."""
+    from quantize import serving
+
+    remote = " --trust-remote-code" if remote_code else ""
+    flags = {e: "".join(f" {f}" for f in serving.launch_flags(rows, e)) + remote for e in (serving.VLLM, serving.SGLANG)}
     return "\n".join([
         "```bash",
         f"# vLLM (tensor parallel {tp}; the output serves at TP {', '.join(map(str, tp_sizes)) or 'none'})",
-        f"vllm serve {repo_id} --tensor-parallel-size {tp}{flags_vllm}",
+        f"vllm serve {repo_id} --tensor-parallel-size {tp}{flags[serving.VLLM]}",
         "",
         "# SGLang",
-        f"python -m sglang.launch_server --model-path {repo_id} --tp {tp}{flags_sgl}",
+        f"python -m sglang.launch_server --model-path {repo_id} --tp {tp}{flags[serving.SGLANG]}",
         "```",
     ])
 
 
 def model_card(*, repo_id: str, base_model: str | None, license: str | None, recipe, plan_summary: dict,
                src_bytes: int, out_bytes: int, capacity, setup, gate_markdown: str | None, tp_sizes: list[int],
-               remote_code: bool, architecture: str) -> str:
+               remote_code: bool, architecture: str, serving_rows=()) -> str:
     """README.md for the release: Hub front matter (base_model, base_model_relation quantized, licence, tags)
     and what a serving engineer needs: how it was made, sizes, what fits, accuracy, commands."""
     from huggingface_hub import ModelCard, ModelCardData
@@ -181,7 +184,12 @@ def model_card(*, repo_id: str, base_model: str | None, license: str | None, rec
         lines += ["", "From `quantize plan` (KV bytes per token as SGLang's memory pools count them)."]
     if gate_markdown:
         lines += ["", gate_markdown]
-    lines += ["", "## Serve it", "", serving_commands(repo_id, setup.tp, tp_sizes, bool(recipe.kv_cache), remote_code)]
+    from quantize import serving
+
+    lines += ["", "## Serve it", "", serving_commands(repo_id, setup.tp, tp_sizes, serving_rows, remote_code)]
+    if serving_rows:
+        lines += ["", "What each engine loads, read from its loader code (`quantize inspect` shows the same):", "",
+                  serving.markdown(list(serving_rows))]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines) + "\n"))
 
 
@@ -257,7 +265,7 @@ def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) 
     """Every step in order; returns the report (its exit_code set) and the files committed or, in a dry run,
     that would be. `convert(out, resume)` converts SRC into `out` (the CLI's convert command, with its
     progress bars). Nothing is uploaded unless every earlier step passed; the report is written in all cases."""
-    from quantize import gate, hub, plan, tensor_plan
+    from quantize import gate, hub, plan, serving, tensor_plan
     from quantize import recipe as recipes
     from quantize.checkpoint import Checkpoint
     from quantize.destination import Overlap, check_apart, partial_dir
@@ -327,7 +335,7 @@ def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) 
             plan_summary=tensor_plan.summary(planned), src_bytes=ckpt.total_bytes,
             out_bytes=sum(p.stat().st_size for p in model_dir.glob("*.safetensors")), capacity=capacity, setup=setup,
             gate_markdown=md, tp_sizes=planned.tp_served, remote_code=bool(ckpt.config.get("auto_map")),
-            architecture=planned.model.model_type))
+            architecture=planned.model.model_type, serving_rows=serving.matrix_of(model_dir)))
         step.done("done", path=str(card))
 
         step = Timer(report, "upload")

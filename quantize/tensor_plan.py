@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from quantize import arch
+from quantize import arch, serving
 from quantize.checkpoint import Checkpoint, LogicalTensor
 from quantize.errors import QuantizeError, UsageError
 from quantize.plan import REPLICATED
@@ -137,11 +137,12 @@ def fp8_block_tp_ok(model: arch.Model, entries: list[Entry], tp: int, block: int
 
 
 def _extra_ignore(model: arch.Model, names: list[str]) -> tuple[str, ...]:
-    """Patterns for what stays float outside the recipe's reach: MTP layers and a multimodal wrapper's towers."""
+    """Patterns for what stays float outside the recipe's reach: MTP layers (under both engines' names for the
+    draft) and a multimodal wrapper's towers."""
     extra = []
     mtp = sorted({r.layer for r in (model.role(x) for x in names) if r.kind == "mtp"})
     for layer in mtp:
-        extra.append(f"re:{re.escape(model.prefix)}model\\.layers\\.{layer}\\..*")
+        extra += [p for p in serving.mtp_ignore(model.prefix, layer) if p not in extra]
     if model.prefix:
         towers = sorted({x.split(".", 1)[0] for x in names if not x.startswith(model.prefix)})
         extra += [f"re:{re.escape(t)}\\..*" for t in towers]
@@ -159,9 +160,13 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
     bad_groups: list[str] = []
     warnings: list[str] = []
     passthrough = _same_scheme(ckpt, recipe)
+    engine_kept = False
     for name, t in ckpt.tensors.items():
         role = model.role(name, len(t.shape))
-        if recipe.targets_module(role.module, role.linear):
+        targeted = recipe.targets_module(role.module, role.linear)
+        if targeted and serving.keep_float(model.arch.family, role.module, recipe.scheme.fp8_block):
+            targeted, engine_kept = False, True
+        if targeted:
             if g is not None and t.shape[1] % g:
                 bad_groups.append(f"{name} (in_features {t.shape[1]})")
                 continue
@@ -222,7 +227,10 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
         # the calibrated engine finishes one layer at a time: lay the output out layer by layer
         entries.sort(key=_layer_order)
     shards = _assign_shards(entries, max_shard_size)
-    plan = Plan(ckpt, model, recipe, entries, shards, _extra_ignore(model, list(ckpt.tensors)), served, warnings)
+    extra = _extra_ignore(model, list(ckpt.tensors))
+    if engine_kept:
+        extra += serving.engine_ignore(model.arch.family, recipe.scheme.fp8_block)
+    plan = Plan(ckpt, model, recipe, entries, shards, extra, served, warnings)
     check_memory(plan, workers, device)
     return plan
 
@@ -253,12 +261,11 @@ def pair(plan: Plan, prefill: Plan, max_shard_size: int) -> tuple[Plan, Plan]:
 
 
 def kv_scale_entries(model: arch.Model, dtype: str) -> list[Entry]:
-    """`self_attn.k_scale` and `v_scale` of every decoder layer: new tensors, [1] in the model dtype, that the
-    calibrated engine measures (quantize/kvcache.py)."""
+    """The K and V scales of every decoder layer, named as the engines read them (serving.kv_scale_names): new
+    tensors, [1] in the model dtype, that the calibrated engine measures (quantize/kvcache.py)."""
     out = []
     for i in range(model.num_hidden_layers):
-        for leaf in ("k_scale", "v_scale"):
-            name = f"{model.prefix}model.layers.{i}.self_attn.{leaf}"
+        for name in serving.kv_scale_names(model.prefix, i, bool(model.text_config.get("kv_lora_rank"))):
             t = LogicalTensor(name, (1,), "float", {})
             out.append(Entry(t, model.role(name, 1), "kv_scale", (TensorSpec(name, dtype, (1,)),)))
     return out

@@ -130,5 +130,5 @@ def test_awq_resume_from_a_layer_checkpoint_gives_the_uninterrupted_bytes(fixtur
         assert f.read_bytes() == (tmp_path / "out" / f.name).read_bytes(), f.name
     out = read_all(tmp_path / "out")
     for i in range(plan.model.num_hidden_layers):  # MLA: one latent, one scale, measured on every layer
-        k, v = out[f"model.layers.{i}.self_attn.k_scale"], out[f"model.layers.{i}.self_attn.v_scale"]
+        k, v = out[f"model.layers.{i}.self_attn.k_proj.k_scale"], out[f"model.layers.{i}.self_attn.v_proj.v_scale"]
         assert torch.equal(k, v) and 0 < float(k) <= 1

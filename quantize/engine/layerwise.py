@@ -28,7 +28,7 @@ import psutil
 import torch
 from torch import nn
 
-from quantize import compute, kvcache
+from quantize import compute, kvcache, serving
 from quantize.engine.layer_state import CALIB_DIR, LayerCheckpoint, Resume, samples_key
 from quantize.errors import QuantizeError
 from quantize.quant import awq, gptq, pack, rtn
@@ -419,8 +419,7 @@ class LayerwiseQuantizer:
     def _kv_scales(self, i: int, amax: kvcache.Amax, mla: bool, report: LayerReport) -> None:
         k, v = kvcache.scales(amax, self.dtype, mla)
         report.kv_scale = [float(k), float(v)]
-        prefix = f"{self.model.prefix}model.layers.{i}.self_attn."
-        for name, t in ((prefix + "k_scale", k), (prefix + "v_scale", v)):
+        for name, t in zip(serving.kv_scale_names(self.model.prefix, i, mla), (k, v), strict=True):
             if name in self.entries and name not in self.written:
                 self.results[name] = [t]
 
