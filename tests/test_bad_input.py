@@ -302,3 +302,15 @@ def test_small_usage_errors_are_caught_up_front(kimi, tmp_path):
     bad.write_text("name: x\nscheme: [unclosed\n")
     code, err = convert(kimi, tmp_path / "out", "--recipe", bad)
     assert code == 2 and "\\n" not in err and "line 3" in err, err
+
+
+def test_piped_plan_output_keeps_every_figure_and_a_recipe_less_convert_says_its_default(fixtures_dir, tmp_path):
+    """Rich wraps non-terminal output at 80 columns and cut table cells; a convert with neither --recipe nor
+    --scheme used to quantize every Linear at g128 without a word."""
+    r = CliRunner().invoke(main, ["plan", str(RECIPES.parent / "tests" / "data" / "glm-5-fp8-config.json"),
+                                  "--weights", str(RECIPES / "glm-w4a16.yaml"), "--disaggregated"])
+    assert r.exit_code == 0, r.output
+    assert "1,332,361" in r.stdout and "713.3 / 91.2" in r.stdout and "…" not in r.stdout
+    r = CliRunner().invoke(main, ["convert", str(fixtures_dir / "llama-bf16"), str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    assert "no --recipe or --scheme: every Linear but lm_head becomes w4a16 g128" in r.stderr
