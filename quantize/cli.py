@@ -94,6 +94,13 @@ COMPUTE_DTYPE_OPTION = click.option(
 VERBOSE_OPTION = click.option(
     "--verbose", is_flag=True, help="Also show the libraries' own progress bars and notes (datasets, lm-eval, "
     "transformers), and every truncated prompt.")
+PPL_TEXT_OPTION = click.option(
+    "--ppl-text", type=click.Path(exists=True, dir_okay=False),
+    help="Also gate held-out word perplexity on this text (task perplexity, lm-eval's wikitext definition; relative "
+    "rise max_rise in the gate file). Neither calibration nor evaluation data, e.g. /usr/share/common-licenses/GPL-3.")
+INCONCLUSIVE_OPTION = click.option(
+    "--allow-inconclusive", is_flag=True,
+    help="Exit 0 when no metric failed but some sample was too small to decide (INCONCLUSIVE); still reported.")
 SCHEME_OPTION = click.option(
     "--scheme", type=click.Choice(recipes.SCHEMES),
     help="Quantize every Linear but lm_head (instead of --recipe): w4a16 INT4 groups, or fp8-block (e4m3, 128x128 "
@@ -649,16 +656,23 @@ def plan_(src, gpus, tp, dp, gpu, gpu_mem_gib, mem_fraction, overhead_gib, kv_bu
 @click.option("--cache-dir", type=click.Path(file_okay=False), help="Baseline results cache [~/.cache/quantize/eval].")
 @click.option("--no-cache", is_flag=True, help="Evaluate the baseline even when its results are cached.")
 @click.option("--trust-remote-code", is_flag=True, help="Let the models' own code run (off by default).")
+@PPL_TEXT_OPTION
+@INCONCLUSIVE_OPTION
 @VERBOSE_OPTION
 def eval_(candidate, baseline, baseline_results, tasks, gate_path, backend, tp, device, compute_dtype, limit, num_fewshot,
-          batch_size, data_dir, report, json_path, log_samples, cache_dir, no_cache, trust_remote_code, verbose):
-    """Gate CANDIDATE on GSM8K, MMLU and ARC-Challenge against its baseline with lm-eval.
+          batch_size, data_dir, report, json_path, log_samples, cache_dir, no_cache, trust_remote_code, ppl_text,
+          allow_inconclusive, verbose):
+    """Gate CANDIDATE on GSM8K, MMLU and ARC-Challenge (and held-out perplexity, --ppl-text) against its
+    baseline with lm-eval.
 
     \b
-    Every metric in the gate file must hold: drop (baseline - candidate) at most max_drop points and
-    recovery (candidate / baseline) at least min_recovery. A task that errors, a missing metric, no
-    samples or a NaN fails the gate. The report marks deltas inside the noise of the sample size.
-    Exit codes: 0 pass, 1 gate failed, 2 the evaluation could not run (or a bad option).
+    Every metric in the gate file is judged: accuracy may drop at most min(max_drop, (1 - min_recovery) x
+    baseline) points, perplexity rise at most max_rise. First the sample must be able to decide: the noise is
+    1.96 x the standard error of the paired per-item differences; when it is wider than the limit, the verdict
+    is INCONCLUSIVE (with the items that would resolve it) unless the drop is beyond both. A task that errors,
+    a missing metric, no samples or a NaN fails the gate.
+    Exit codes: 0 pass, 1 a failure or INCONCLUSIVE (0 with --allow-inconclusive when nothing failed),
+    2 the evaluation could not run (or a bad option).
 
     \b
     Examples:
@@ -677,12 +691,13 @@ def eval_(candidate, baseline, baseline_results, tasks, gate_path, backend, tp, 
             num_fewshot=num_fewshot, tp=tp, data_dir=Path(data_dir) if data_dir else None,
             log_samples=Path(log_samples) if log_samples else None, cache_dir=Path(cache_dir) if cache_dir else None,
             use_cache=not no_cache, trust_remote_code=trust_remote_code, compute_dtype=compute_dtype, verbose=verbose,
+            ppl_text=Path(ppl_text) if ppl_text else None, allow_inconclusive=allow_inconclusive,
             status=lambda msg: err.print(msg, highlight=False))
     except QuantizeError as e:
         fail(e)
     if report:
         Path(report).write_text(gate.markdown(run.verdicts, run.meta["baseline"] or "(none)", candidate, {
-            k: run.meta[k] for k in ("backend", "limit", "num_fewshot", "data", "lm_eval")}))
+            k: run.meta[k] for k in ("backend", "limit", "num_fewshot", "data", "lm_eval")}, allow_inconclusive))
     if json_path == "-":
         out.print_json(json.dumps(run.to_dict()))
     elif json_path:
@@ -710,17 +725,20 @@ def _gate_table(run) -> None:
                     t.add_row(task, k, f"{v * 100:.2f}", f"{se * 100:.2f}" if isinstance(se, float) else "n/a")
         out.print(t)
         return
-    style = {"PASS": "green", "FAIL": "bold red", "ERROR": "bold red"}
+    style = {"PASS": "green", "FAIL": "bold red", "ERROR": "bold red", "INCONCLUSIVE": "yellow"}
+    at = gate.HEADER.index("verdict")
     t = Table(title=f"gate: {run.meta['candidate']} vs {run.meta['baseline']} (baseline {run.baseline_from})",
               title_justify="left")
     for col in gate.HEADER[:-1]:  # the reasons of failures follow the table
         t.add_column(col, overflow="fold")
     for r in gate.rows(run.verdicts):
-        r[9] = f"[{style[r[9]]}]{r[9]}[/]"
+        r[at] = f"[{style[r[at]]}]{r[at]}[/]"
         t.add_row(*r[:-1])
     out.print(t)
-    out.print("[green]PASS[/]" if run.passed else "[bold red]FAIL[/]: " + "; ".join(
-        f"{v.task} {v.metric}: {v.reason}" for v in run.verdicts if v.verdict != "pass"))
+    outcome = run.outcome
+    color = "green" if outcome == "PASS" else "yellow" if outcome.startswith("INCONCLUSIVE") else "bold red"
+    out.print(f"[{color}]{outcome}[/]" + "".join(f"\n  {v.task} {v.metric}: {v.verdict.upper()}: {v.reason}"
+                                               for v in run.verdicts if v.verdict != "pass"), highlight=False)
 
 
 @main.command()
@@ -746,10 +764,12 @@ def _gate_table(run) -> None:
 @click.option("--dry-run", is_flag=True, help="Everything but the upload: print what would be committed.")
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Output, card and report [release/ORG--NAME].")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size, help="Largest output shard.")
+@PPL_TEXT_OPTION
+@INCONCLUSIVE_OPTION
 @VERBOSE_OPTION
 @click.pass_context
 def release(ctx, src, recipe_path, repo_id, gate_path, tasks, backend, eval_tp, device, calib, data_dir, limit, gpus,
-            gpu, private, revision_tag, dry_run, work_dir, max_shard_size, verbose):
+            gpu, private, revision_tag, dry_run, work_dir, max_shard_size, ppl_text, allow_inconclusive, verbose):
     """Release SRC as a gated, documented Hub checkpoint: convert (resumable), verify, plan, eval gate against
     SRC, model card, upload. Only a release that passed every step is uploaded.
 
@@ -758,7 +778,7 @@ def release(ctx, src, recipe_path, repo_id, gate_path, tasks, backend, eval_tp, 
     source files, recipe and calibration; anything else is refused with the reason), WORK_DIR/card/README.md the
     model card, WORK_DIR/release-report.json and .md the report, written whatever the outcome (CI keeps them
     as artifacts). The token comes from HF_TOKEN or the HF cache and is never printed.
-    Exit codes: 0 released (or a dry run that passed), 1 gate failed (nothing uploaded), 2 error.
+    Exit codes: 0 released (or a dry run that passed), 1 gate failed or INCONCLUSIVE (nothing uploaded), 2 error.
 
     \b
     Examples:
@@ -786,7 +806,8 @@ def release(ctx, src, recipe_path, repo_id, gate_path, tasks, backend, eval_tp, 
             tasks=tuple(t.strip() for t in tasks.split(",") if t.strip()), backend=backend, eval_tp=eval_tp,
             device=resolve_device(device), calib=calib, data_dir=Path(data_dir) if data_dir else None, limit=limit,
             gpus=gpus, gpu_mem_gib=plan.GPUS[gpu], private=private, tag=revision_tag, dry_run=dry_run,
-            max_shard_size=max_shard_size, verbose=verbose)
+            max_shard_size=max_shard_size, verbose=verbose, ppl_text=Path(ppl_text) if ppl_text else None,
+            allow_inconclusive=allow_inconclusive)
     except QuantizeError as e:
         fail(e)
     report, files = rel.run(opts, convert_into, status=lambda msg: err.print(msg, highlight=False), on_gate=_gate_table)

@@ -19,7 +19,9 @@ from pathlib import Path
 from quantize.errors import QuantizeError, UsageError
 from quantize.writer import MANIFEST_NAME, sha256_file
 
-TASKS = ("gsm8k", "mmlu", "arc_challenge")
+DEFAULT_TASKS = ("gsm8k", "mmlu", "arc_challenge")
+TASKS = (*DEFAULT_TASKS, "perplexity")
+PERPLEXITY = "perplexity"  # held-out word perplexity of --ppl-text, through lm-eval's own wikitext definition
 BACKENDS = ("hf", "vllm", "sglang")
 LOCAL_FILES = {
     "gsm8k": {"train": "gsm8k/train.jsonl", "test": "gsm8k/test.jsonl"},
@@ -55,7 +57,7 @@ def check_hub_data(tasks: list[str], probe_seconds: float = 3.0) -> None:
     import re
 
     missing = []
-    for task in tasks:
+    for task in (t for t in tasks if t != PERPLEXITY):
         m = re.search(r"^dataset_path:\s*(\S+)", (_builtin_tasks() / HUB_TASK_FILES[task]).read_text(), re.M)
         if m and not _dataset_cached(m[1]):
             missing.append(f"{task} ({m[1]})")
@@ -161,13 +163,41 @@ def _write_mmlu(out: Path, builtin: Path, files: dict[str, Path]) -> None:
     (out / "_mmlu_local.yaml").write_text(yaml.safe_dump(group, sort_keys=False))
 
 
+def write_perplexity_task(text: Path, out: Path) -> Path:
+    """A `perplexity` task over a local text file: lm-eval's wikitext definition (rolling loglikelihood; word
+    perplexity, byte perplexity, bits per byte) pointed at the text cut into documents of whole paragraphs, at
+    least PPL_DOC_WORDS words each: every document is one item of the paired comparison."""
+    docs, para = [], []
+    for block in Path(text).read_text(encoding="utf-8", errors="replace").split("\n\n"):
+        if block.strip():
+            para.append(block.strip())
+        if sum(len(p.split()) for p in para) >= PPL_DOC_WORDS:
+            docs.append("\n\n".join(para))
+            para = []
+    if para:
+        docs.append("\n\n".join(para))
+    if len(docs) < 2:
+        raise UsageError(f"--ppl-text {text}: {len(docs)} document(s) of {PPL_DOC_WORDS} words; give a longer text")
+    out.mkdir(parents=True, exist_ok=True)
+    data = out / "perplexity-docs.jsonl"
+    data.write_text("".join(json.dumps({"page": d}) + "\n" for d in docs))
+    _write_task(out / "perplexity.yaml", _builtin_tasks() / "wikitext" / "wikitext.yaml", {"test": data},
+                task=PERPLEXITY, training_split=None, validation_split=None)
+    return out
+
+
+PPL_DOC_WORDS = 250
 LOCAL_TASKS_VERSION = 1  # bump when write_local_tasks changes what it writes
 
 
-def task_fingerprint(task: str, data_dir: Path | None) -> str:
+def task_fingerprint(task: str, data_dir: Path | None, ppl_text: Path | None = None) -> str:
     """What a task's definition is: lm-eval's version (its YAML) and, for local data, the data's bytes and the
-    way our task files point at it. Absolute paths do not count, so caches survive a move."""
+    way our task files point at it (for `perplexity`, the text's bytes). Absolute paths do not count, so caches
+    survive a move."""
     h = hashlib.sha256(f"lm_eval {_lm_eval().__version__}\ntask {task}\n".encode())
+    if task == PERPLEXITY:
+        h.update(f"docs of {PPL_DOC_WORDS} words\n{sha256_file(Path(ppl_text))}\n".encode())
+        return h.hexdigest()
     if data_dir is not None:
         h.update(f"local tasks v{LOCAL_TASKS_VERSION}\n".encode())
         for split, rel in sorted(LOCAL_FILES[task].items()):
@@ -212,13 +242,13 @@ def task_part(results: dict, task: str) -> dict:
             names.add(t)
             todo += groups.get(t, [])
     part = {k: {n: v for n, v in (results.get(k) or {}).items() if n in names}
-            for k in ("results", "n-samples", "n-shot", "versions", "group_subtasks")}
+            for k in ("results", "n-samples", "n-shot", "versions", "group_subtasks", "items")}
     part["meta"] = results.get("meta", {})
     return part
 
 
 def merge(parts: list[dict]) -> dict:
-    out = {k: {} for k in ("results", "n-samples", "n-shot", "versions", "group_subtasks")}
+    out = {k: {} for k in ("results", "n-samples", "n-shot", "versions", "group_subtasks", "items")}
     for p in parts:
         for k in out:
             out[k].update(p.get(k) or {})
@@ -271,8 +301,9 @@ def check_backend(backend: str) -> None:
 def evaluate(folder: Path, tasks: list[str], *, backend: str = "hf", device: str = "cpu", batch_size: int | str = 8,
              limit: int | None = None, num_fewshot: int | None = None, tp: int = 1, include_path: Path | None = None,
              log_samples: Path | None = None, trust_remote_code: bool = False, dtype: str = "auto",
-             verbose: bool = False) -> dict:
-    """lm-eval's results for one model: {results, n-samples, n-shot, versions, group_subtasks, meta}; meta's
+             verbose: bool = False, include_defaults: bool = False) -> dict:
+    """lm-eval's results for one model: {results, n-samples, n-shot, versions, group_subtasks, items, meta}.
+    `items` holds every item's metric values (the gate pairs baseline and candidate item by item); meta's
     `truncated` counts the prompts cut to the model's context (said once by the caller, not once per item)."""
     from quantize import quiet
 
@@ -283,12 +314,13 @@ def evaluate(folder: Path, tasks: list[str], *, backend: str = "hf", device: str
     t0 = time.perf_counter()
     with quiet.libraries(verbose) as dropped:
         out = _simple_evaluate(lm_eval, TaskManager, folder, tasks, backend, device, batch_size, limit, num_fewshot, tp,
-                               include_path, log_samples, trust_remote_code, dtype)
+                               include_path, include_defaults, trust_remote_code, dtype)
     if not out or not out.get("results"):
         raise EvalError(f"lm-eval returned no results for {folder}")
     if log_samples is not None:
         _write_samples(out.get("samples") or {}, log_samples)
     keep = {k: out.get(k) for k in ("results", "n-samples", "n-shot", "versions", "group_subtasks")}
+    keep["items"] = per_item(out.get("samples") or {})
     keep["meta"] = {"model": str(folder), "backend": backend, "lm_eval": lm_eval.__version__, "limit": limit,
                     "num_fewshot": num_fewshot, "seconds": round(time.perf_counter() - t0, 1),
                     "truncated": {"prompts": dropped.truncated, "max_length": dropped.max_length}}
@@ -296,18 +328,32 @@ def evaluate(folder: Path, tasks: list[str], *, backend: str = "hf", device: str
 
 
 def _simple_evaluate(lm_eval, TaskManager, folder, tasks, backend, device, batch_size, limit, num_fewshot, tp,
-                     include_path, log_samples, trust_remote_code, dtype) -> dict:
-    manager = TaskManager(include_path=str(include_path), include_defaults=False) if include_path else TaskManager()
+                     include_path, include_defaults, trust_remote_code, dtype) -> dict:
+    manager = (TaskManager(include_path=str(include_path), include_defaults=include_defaults) if include_path
+               else TaskManager())
     try:
         return lm_eval.simple_evaluate(
             model=backend, model_args=model_args(backend, folder, tp, trust_remote_code, dtype), tasks=list(tasks),
             num_fewshot=num_fewshot, batch_size=batch_size, device=device if backend == "hf" else None, limit=limit,
-            task_manager=manager, log_samples=log_samples is not None, random_seed=0, numpy_random_seed=1234,
+            task_manager=manager, log_samples=True, random_seed=0, numpy_random_seed=1234,
             torch_random_seed=1234, fewshot_random_seed=1234,
         )
     except Exception as e:  # lm-eval and the backends raise anything; the run cannot give a verdict
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise EvalError(f"lm-eval could not evaluate {folder}: {type(e).__name__}: {first}") from e
+
+
+def per_item(samples: dict) -> dict[str, dict[str, dict[str, object]]]:
+    """{task: {"metric,filter": {doc_id: value}}} from lm-eval's per-sample records; a perplexity item's value is
+    its (loglikelihood, words or bytes) pair, as lm-eval aggregates it."""
+    out: dict[str, dict[str, dict[str, object]]] = {}
+    for task, rows in samples.items():
+        for row in rows:
+            for metric in row.get("metrics") or []:
+                v = row.get(metric)
+                value = [float(x) for x in v] if isinstance(v, (list, tuple)) else float(v)
+                out.setdefault(task, {}).setdefault(f"{metric},{row.get('filter', 'none')}", {})[str(row["doc_id"])] = value
+    return out
 
 
 def _jsonable(o) -> str:

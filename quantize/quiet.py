@@ -12,6 +12,8 @@ from dataclasses import dataclass
 # transformers notes on what quantize does on purpose
 EXPECTED = re.compile(r"You passed `?quantization_config`?|You are using a model of type \S+ to instantiate a model of type")
 TRUNCATED = re.compile(r"exceeds model's maximum length \((\d+)\)|Left truncation applied")
+# lm-eval on its own wikitext definition (the perplexity task), which leaves bits_per_byte's defaults implicit
+DEFAULTED = re.compile(r"is defined, but (aggregation|higher_is_better) is not")
 
 
 @dataclass
@@ -69,6 +71,10 @@ def libraries(verbose: bool = False):
         bar = task.tqdm
         task.tqdm = lambda *a, **k: bar(*a, **{**k, "disable": True})
         undo.append(lambda: setattr(task, "tqdm", bar))
+        for name in ("lm_eval.api.task", "lm_eval.tasks"):
+            logger, drop = logging.getLogger(name), _Drop(DEFAULTED)
+            logger.addFilter(drop)
+            undo.append(lambda logger=logger, drop=drop: logger.removeFilter(drop))
         for name in ("lm_eval.models.huggingface", "lm_eval.models.vllm_causallms", "lm_eval.api.model"):
             logger, drop = logging.getLogger(name), _Drop(TRUNCATED, counts)
             logger.addFilter(drop)

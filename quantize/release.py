@@ -53,8 +53,11 @@ class Report:
         return asdict(self) | {"released": self.exit_code == EXIT_RELEASED and not self.dry_run}
 
     def markdown(self) -> str:
+        gate_step = self.step("eval")
+        undecided = gate_step is not None and gate_step.status == "inconclusive"
         verdict = {EXIT_RELEASED: "dry run passed (nothing uploaded)" if self.dry_run else "released",
-                   EXIT_GATE_FAILED: "gate failed: nothing uploaded", EXIT_ERROR: "error: nothing uploaded"}
+                   EXIT_GATE_FAILED: "gate inconclusive (a sample too small to decide): nothing uploaded" if undecided
+                   else "gate failed: nothing uploaded", EXIT_ERROR: "error: nothing uploaded"}
         lines = [f"# Release of {self.src} as {self.repo_id}", "",
                  f"Outcome: **{verdict.get(self.exit_code, 'unfinished')}**" + (f": {self.error}" if self.error else ""),
                  "", "| step | status | seconds |", "|---|---|---|"]
@@ -259,6 +262,8 @@ class Options:
     dry_run: bool = False
     max_shard_size: int = 5 * 10**9
     verbose: bool = False
+    ppl_text: Path | None = None
+    allow_inconclusive: bool = False
 
 
 def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) -> tuple[Report, list[dict]]:
@@ -318,10 +323,13 @@ def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) 
         step = Timer(report, "eval")
         gate_run = gate.run_gate(str(model_dir), baseline=o.src, tasks=list(o.tasks), gate_path=o.gate_path,
                                  backend=o.backend, device=o.device if o.backend == "hf" else "auto", limit=o.limit,
-                                 tp=o.eval_tp, data_dir=o.data_dir, verbose=o.verbose, status=status)
+                                 tp=o.eval_tp, data_dir=o.data_dir, verbose=o.verbose, ppl_text=o.ppl_text,
+                                 allow_inconclusive=o.allow_inconclusive, status=status)
         md = gate.markdown(gate_run.verdicts, o.src, o.repo_id,
-                           {k: gate_run.meta.get(k) for k in ("backend", "limit", "num_fewshot", "lm_eval")})
-        step.done("passed" if gate_run.passed else "failed", markdown=md,
+                           {k: gate_run.meta.get(k) for k in ("backend", "limit", "num_fewshot", "lm_eval")},
+                           o.allow_inconclusive)
+        step.done("passed" if gate_run.passed else "inconclusive" if gate_run.outcome == "INCONCLUSIVE" else "failed",
+                  markdown=md,
                   verdicts=[v.to_dict() for v in gate_run.verdicts])
         on_gate(gate_run)
         if not gate_run.passed:

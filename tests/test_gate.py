@@ -13,11 +13,12 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def result(task: str, **metrics) -> dict:
-    """An lm-eval result dict: metric=value or metric=(value, stderr); n-samples 100."""
+    """An lm-eval result dict: metric=value or metric=(value, stderr, default 0.001: a sample that resolves a
+    one-point limit); n-samples 100; no per-item results (judged unpaired)."""
     row = {}
     for key, v in metrics.items():
         name, _, flt = key.replace("__", ",").partition(",")
-        value, se = v if isinstance(v, tuple) else (v, 0.01)
+        value, se = v if isinstance(v, tuple) else (v, 0.001)
         row[f"{name},{flt or 'none'}"] = value
         row[f"{name}_stderr,{flt or 'none'}"] = se
     return {"results": {task: row}, "n-samples": {task: {"original": 1000, "effective": 100}}}
@@ -28,10 +29,10 @@ def test_drop_and_recovery_both_decide():
     ok = gate.judge(t, result("arc_challenge", acc=0.500), result("arc_challenge", acc=0.492))
     assert ok.verdict == "pass" and ok.delta == pytest.approx(-0.8) and ok.recovery == pytest.approx(0.984)
     too_far = gate.judge(t, result("arc_challenge", acc=0.500), result("arc_challenge", acc=0.488))
-    assert too_far.verdict == "fail" and "drop 1.20 > 1 points" in too_far.reason
-    # a low baseline: a 0.9-point drop is within max_drop but recovers only 0.91
+    assert too_far.verdict == "fail" and "delta -1.20 points: beyond the 1-point limit" in too_far.reason
+    # a low baseline: a 0.9-point drop is within max_drop but recovers only 0.91: the limit is 0.05 x 10 points
     low = gate.judge(t, result("arc_challenge", acc=0.100), result("arc_challenge", acc=0.091))
-    assert low.verdict == "fail" and "recovery 0.910 < 0.95" in low.reason
+    assert low.verdict == "fail" and low.limit == pytest.approx(0.5) and "beyond the 0.5-point limit" in low.reason
     better = gate.judge(t, result("arc_challenge", acc=0.5), result("arc_challenge", acc=0.6))
     assert better.verdict == "pass" and better.delta == pytest.approx(10.0)
 
@@ -220,3 +221,112 @@ def test_without_data_dir_unreachable_hub_data_fails_before_lm_eval_runs(tmp_pat
     lmeval.check_hub_data(["mmlu"])  # in the HF cache: no Hub needed
     (tmp_path / "datasets" / "openai___gsm8k").mkdir(parents=True)
     lmeval.check_hub_data(["gsm8k"])  # datasets' own processed cache counts too
+
+
+def items(task: str, metric: str, values: list, **extra) -> dict:
+    """Results holding per-item values (doc ids 0..n-1) and the mean as lm-eval reports it."""
+    scored = [v[0] / v[1] for v in values] if values and isinstance(values[0], tuple) else values
+    mean = sum(scored) / len(scored)
+    return {"results": {task: {metric: mean, **extra}}, "n-samples": {task: {"effective": len(values)}},
+            "items": {task: {metric: {str(i): (list(v) if isinstance(v, tuple) else v) for i, v in enumerate(values)}}}}
+
+
+def test_paired_standard_error_worked_by_hand():
+    """10 items, the candidate flips items 1 and 9 to wrong and item 7 to right: differences (points)
+    0,-100,0,0,0,0,0,+100,0,-100; mean -10; sample variance (7 x 10^2 + 2 x 90^2 + 110^2) / 9 = 29000 / 9;
+    se = sqrt(29000 / 90) = 17.95 points. Two independent binomial errors would say hypot(15.8, 16.3) = 22.7."""
+    base = [1, 1, 0, 0, 1, 0, 1, 0, 1, 1]
+    cand = [1, 0, 0, 0, 1, 0, 1, 1, 1, 0]
+    n, mean, se = gate.paired_se({str(i): v for i, v in enumerate(base)}, {str(i): v for i, v in enumerate(cand)})
+    assert (n, mean) == (10, pytest.approx(-10.0)) and se == pytest.approx(math.sqrt(29000 / 90))
+    t = gate.Threshold("arc_challenge", "acc,none")
+    v = gate.judge(t, items("arc_challenge", "acc,none", base), items("arc_challenge", "acc,none", cand))
+    assert v.paired and v.paired_se == pytest.approx(17.9505, abs=1e-4) and v.samples == 10
+
+
+def test_inconclusive_fail_and_pass_by_sample_size():
+    """ARC at 20 items, 40 -> 30 points (2 items flipped): se = sqrt((18 x 10^2 + 2 x 90^2) / 19 / 20) = 6.88,
+    noise 1.96 x 6.88 = 13.49 points > the 1-point limit, and the 10-point drop is inside that noise:
+    INCONCLUSIVE, resolved at 20 x (13.49 / 1)^2 = 3,640 items. 8 flips (40 points, noise 22.0): a FAIL even at
+    20 items. The same model: se 0, PASS at any size. 10,000 items, 50 flips each way: se 0.10, noise 0.196 < 1,
+    the drop (0) decides: PASS."""
+    t = gate.Threshold("arc_challenge", "acc,none", max_drop=1.0, min_recovery=0.0)
+    base = [1] * 8 + [0] * 12
+    two = [0, 0] + [1] * 6 + [0] * 12
+    v = gate.judge(t, items("arc_challenge", "acc,none", base), items("arc_challenge", "acc,none", two))
+    assert v.delta == pytest.approx(-10.0) and v.paired_se == pytest.approx(math.sqrt(18000 / 19 / 20))
+    assert v.verdict == "inconclusive" and v.needs_items == 3640, v
+    assert "needs about 3,640 items" in v.reason and not gate.passed([v]) and gate.passed([v], allow_inconclusive=True)
+    eight = [0] * 20
+    f = gate.judge(t, items("arc_challenge", "acc,none", base), items("arc_challenge", "acc,none", eight))
+    assert f.verdict == "fail" and "beyond the noise" in f.reason
+    same = gate.judge(t, items("arc_challenge", "acc,none", base), items("arc_challenge", "acc,none", list(base)))
+    assert same.verdict == "pass" and same.paired_se == 0
+    big_base = [1] * 5000 + [0] * 5000
+    big_cand = [0] * 50 + [1] * 4950 + [1] * 50 + [0] * 4950
+    p = gate.judge(t, items("arc_challenge", "acc,none", big_base), items("arc_challenge", "acc,none", big_cand))
+    assert p.verdict == "pass" and p.paired_se == pytest.approx(0.1, rel=1e-3)
+    assert gate.overall([v, same]) == "INCONCLUSIVE" and gate.overall([v, f]) == "FAIL"
+
+
+def test_perplexity_rise_from_per_document_loglikelihoods():
+    """Documents (loglikelihood, words): baseline (-100, 50), (-200, 100), (-150, 50); candidate -110, -220, -160.
+    log(ppl_c / ppl_b) = (10 + 20 + 10) / 200 = 0.2, a rise of e^0.2 - 1 = 22.1%; every document moved in
+    proportion to its words, so the residuals and se are 0: a FAIL of a 5% limit. Documents that disagree in
+    direction leave it INCONCLUSIVE."""
+    t = gate.Threshold("perplexity", "word_perplexity,none", max_rise=0.05)
+    base = items("perplexity", "word_perplexity,none", [(-100, 50), (-200, 100), (-150, 50)])
+    worse = items("perplexity", "word_perplexity,none", [(-110, 50), (-220, 100), (-160, 50)])
+    v = gate.judge(t, base, worse)
+    assert v.verdict == "fail" and v.delta == pytest.approx(math.expm1(0.2) * 100) and v.paired_se == 0
+    assert v.limit == pytest.approx(math.log(1.05)) and "rise +22.1%" in v.reason
+    noisy = items("perplexity", "word_perplexity,none", [(-140, 50), (-190, 100), (-130, 50)])
+    n = gate.judge(t, base, noisy)
+    assert n.verdict == "inconclusive" and n.needs_items > 3
+    assert gate.judge(t, base, base).verdict == "pass"
+    with pytest.raises(UsageError, match="max_rise"):
+        gate.load_gate(_gate_yaml({"perplexity": {"metrics": ["word_perplexity,none"]}}), ["perplexity"])
+
+
+def _gate_yaml(tasks: dict):
+    import tempfile
+
+    import yaml
+
+    path = Path(tempfile.mkdtemp()) / "gate.yaml"
+    path.write_text(yaml.safe_dump({"tasks": tasks}))
+    return path
+
+
+def test_items_that_do_not_pair_are_an_error_and_a_group_pairs_its_subtasks():
+    t = gate.Threshold("arc_challenge", "acc,none")
+    a = items("arc_challenge", "acc,none", [1, 0, 1])
+    b = items("arc_challenge", "acc,none", [1, 0])
+    assert gate.judge(t, a, b).verdict == "error"
+    group = {"results": {"mmlu": {"acc,none": 0.5}}, "group_subtasks": {"mmlu": ["mmlu_a", "mmlu_b"]},
+             "items": {"mmlu_a": {"acc,none": {"0": 1, "1": 0}}, "mmlu_b": {"acc,none": {"0": 1, "1": 0}}}}
+    assert set(gate.items_of(group, "mmlu", "acc,none")) == {"mmlu_a/0", "mmlu_a/1", "mmlu_b/0", "mmlu_b/1"}
+
+
+def test_ppl_text_that_is_the_candidates_calibration_data_is_refused(fixtures_dir, tmp_path):
+    """Perplexity on the text the candidate was calibrated on says nothing about held-out text: the candidate's
+    manifest names its calibration file, and a --ppl-text with the same bytes (under any name) is refused, exit 2."""
+    import json as _json
+    import shutil
+
+    from click.testing import CliRunner
+
+    from quantize.cli import main
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text("calibration text\n\n" * 400)
+    cand = tmp_path / "cand"
+    shutil.copytree(fixtures_dir / "llama-bf16", cand)
+    (cand / "quantize-manifest.json").write_text(_json.dumps({"recipe": {"calibration": {"data": str(calib)}}}))
+    same_bytes = tmp_path / "renamed.txt"
+    shutil.copy(calib, same_bytes)
+    r = CliRunner().invoke(main, ["eval", str(cand), "--baseline", str(fixtures_dir / "llama-bf16"), "--tasks",
+                                  "arc_challenge", "--ppl-text", str(same_bytes), "--data-dir", str(DATA)])
+    assert r.exit_code == 2 and "is the calibration data of" in r.stderr, r.output
+    r = CliRunner().invoke(main, ["eval", str(cand), "--baseline", str(cand), "--tasks", "perplexity"])
+    assert r.exit_code == 2 and "needs --ppl-text" in r.stderr, r.output

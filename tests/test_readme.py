@@ -54,6 +54,7 @@ def test_readme_cpu_examples_run_as_written_in_a_fresh_clone(tmp_path):
     assert re.search(r"clean\W+\d+ files", log), log[-2000:]  # verify --deep after the first run
     assert "dry run: would commit" in log and "PASS" in log  # the release dry run and the eval example
     assert "--disable-shared-experts-fusion" in log  # inspect's serving matrix of the GLM-4.5 output
+    assert "INCONCLUSIVE" in log and "exit 1: the gate refused the candidate" in log  # SmolLM2's RTN g64 fails
     for out in ("kimi-k2-int4", "k2-fp8-block", "k2-int4", "k2-fp8", "kimi-gptq", "kimi-awq", "kimi-gptq-kv8",
                 "glm45-int4"):
         assert (clone / "out" / out / "quantize-manifest.json").is_file(), out

@@ -264,3 +264,34 @@ def test_release_refuses_to_reuse_a_conversion_of_another_source(hub, source, tm
     assert "was converted with another source (its files or config)" in result.stderr
     doc = json.loads((work / release.REPORT_JSON).read_text())
     assert [s["name"] for s in doc["steps"]] == ["convert"] and doc["steps"][0]["status"] == "failed"
+
+
+def test_release_dry_run_of_smollm2_shows_fail_and_inconclusive_verdicts_and_exits_by_them(smollm2, tmp_path,
+                                                                                           monkeypatch):
+    """The real SmolLM2 released at RTN g64, ARC at 20 items: with --ppl-text the gate FAILs on perplexity (exit 1,
+    the report's table shows the FAIL and ARC's INCONCLUSIVE); without it ARC alone is INCONCLUSIVE, which exits
+    1 too and says so; --allow-inconclusive exits 0 and the card carries the INCONCLUSIVE verdicts."""
+    monkeypatch.setenv("QUANTIZE_CACHE", str(tmp_path / "cache"))  # the baseline is evaluated once
+    rec = tmp_path / "smol-g64.yaml"
+    rec.write_text((RECIPES / "dense-w4a16.yaml").read_text().replace("group_size: 128", "group_size: 64"))
+    work = tmp_path / "work"
+
+    def release_smol(*extra):
+        r = CliRunner().invoke(main, ["release", str(smollm2), "--recipe", str(rec), "--repo-id", "me/smol-w4a16",
+                                      "--dry-run", "--tasks", "arc_challenge", "--limit", "20", "--data-dir", str(DATA),
+                                      "--device", "cpu", "--work-dir", str(work), *extra])
+        return r, json.loads((work / release.REPORT_JSON).read_text())
+
+    r, doc = release_smol("--ppl-text", "/usr/share/common-licenses/GPL-3")
+    assert r.exit_code == 1, r.output
+    md = (work / release.REPORT_MD).read_text()
+    assert "gate failed: nothing uploaded" in md and "Gate: **FAIL**" in md and "INCONCLUSIVE" in md
+    assert (doc["steps"][-1]["name"], doc["steps"][-1]["status"]) == ("eval", "failed")
+    r, doc = release_smol()
+    assert r.exit_code == 1 and doc["steps"][0]["status"] == "reused", r.output
+    assert doc["steps"][-1]["status"] == "inconclusive"
+    assert "gate inconclusive" in (work / release.REPORT_MD).read_text()
+    r, doc = release_smol("--allow-inconclusive")
+    assert r.exit_code == 0, r.output
+    card = (work / release.CARD_DIR / "README.md").read_text()
+    assert "Gate: **INCONCLUSIVE (allowed)**" in card and "needs about" in card
