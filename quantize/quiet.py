@@ -5,6 +5,7 @@ still shows; truncations are counted and said once by the caller."""
 
 import logging
 import re
+import sys
 import warnings
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -55,30 +56,23 @@ def libraries(verbose: bool = False):
         for h in tf._get_library_root_logger().handlers:
             h.addFilter(drop)
             undo.append(lambda h=h: h.removeFilter(drop))
-    try:
-        import datasets
-
+    # only what the caller has loaded: a calibrated convert must not pay for importing lm-eval and datasets
+    datasets, task = sys.modules.get("datasets"), sys.modules.get("lm_eval.api.task")
+    if datasets is not None:
         was_ds = datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()
         undo.append(lambda: datasets.enable_progress_bars() if was_ds else None)
-    except ImportError:
-        pass
-    try:
-        import lm_eval.api.task as task
-    except ImportError:
-        task = None
     if task is not None:
         bar = task.tqdm
         task.tqdm = lambda *a, **k: bar(*a, **{**k, "disable": True})
         undo.append(lambda: setattr(task, "tqdm", bar))
-        for name in ("lm_eval.api.task", "lm_eval.tasks"):
-            logger, drop = logging.getLogger(name), _Drop(DEFAULTED)
-            logger.addFilter(drop)
-            undo.append(lambda logger=logger, drop=drop: logger.removeFilter(drop))
-        for name in ("lm_eval.models.huggingface", "lm_eval.models.vllm_causallms", "lm_eval.api.model"):
-            logger, drop = logging.getLogger(name), _Drop(TRUNCATED, counts)
-            logger.addFilter(drop)
-            undo.append(lambda logger=logger, drop=drop: logger.removeFilter(drop))
+    filters = [(n, DEFAULTED, None) for n in ("lm_eval.api.task", "lm_eval.tasks")]
+    filters += [(n, TRUNCATED, counts) for n in ("lm_eval.models.huggingface", "lm_eval.models.vllm_causallms",
+                                                 "lm_eval.api.model")]
+    for name, pattern, counted in filters:
+        logger, drop = logging.getLogger(name), _Drop(pattern, counted)
+        logger.addFilter(drop)
+        undo.append(lambda logger=logger, drop=drop: logger.removeFilter(drop))
     try:
         yield counts
     finally:
