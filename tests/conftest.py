@@ -80,6 +80,13 @@ def smollm2() -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def eval_cache(tmp_path_factory) -> Path:
+    """One baseline-results cache for the tests that gate on SmolLM2: its baseline is evaluated once (results are
+    keyed by content, task definition and settings, as for any user; each candidate is always evaluated)."""
+    return tmp_path_factory.mktemp("quantize-cache") / "eval"  # as QUANTIZE_CACHE=<parent> lays it out
+
+
 def dies_on_call(monkeypatch, owner, name: str, n: int, run) -> None:
     """`run()` with owner.name raising an I/O error on its n-th call (the shards before it are finished), then
     owner.name restored: an interrupted conversion to resume."""

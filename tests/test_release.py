@@ -267,11 +267,11 @@ def test_release_refuses_to_reuse_a_conversion_of_another_source(hub, source, tm
 
 
 def test_release_dry_run_of_smollm2_shows_fail_and_inconclusive_verdicts_and_exits_by_them(smollm2, tmp_path,
-                                                                                           monkeypatch):
+                                                                                           monkeypatch, eval_cache):
     """The real SmolLM2 released at RTN g64, ARC at 20 items: with --ppl-text the gate FAILs on perplexity (exit 1,
     the report's table shows the FAIL and ARC's INCONCLUSIVE); without it ARC alone is INCONCLUSIVE, which exits
     1 too and says so; --allow-inconclusive exits 0 and the card carries the INCONCLUSIVE verdicts."""
-    monkeypatch.setenv("QUANTIZE_CACHE", str(tmp_path / "cache"))  # the baseline is evaluated once
+    monkeypatch.setenv("QUANTIZE_CACHE", str(eval_cache.parent))  # the baseline is evaluated once per session
     rec = tmp_path / "smol-g64.yaml"
     rec.write_text((RECIPES / "dense-w4a16.yaml").read_text().replace("group_size: 128", "group_size: 64"))
     work = tmp_path / "work"
