@@ -875,7 +875,7 @@ class _AWQRecorder:
         self.counts[name] += x.shape[0]
         per_sample = max(1, self.max_rows // self.n_samples)
         stride = max(1, x.shape[0] // per_sample)
-        self.rows[name].append(x[::stride][:per_sample].to("cpu", copy=True))  # model dtype, as the layer sees it
+        self.rows[name].append(x[::stride][:per_sample].to("cpu", copy=True))  # the compute dtype, as the layer sees it
 
     def hook(self, name: str, _module, _args, output) -> None:
         out = output[0] if isinstance(output, tuple) else output
