@@ -319,3 +319,62 @@ def test_linears_sharing_a_hessian_solve_as_one_stacked_matrix():
         return gptq.gptq_quantize(W, H.clone(), scale, zp, actorder=True)[0]
 
     assert torch.equal(solve(torch.cat(Ws)), torch.cat([solve(W) for W in Ws]))
+
+
+@pytest.mark.parametrize("actorder,symmetric,shape", [(True, True, (48, 256)), (False, False, (40, 192)),
+                                                       (True, False, (33, 320))])
+def test_a_batched_solve_of_experts_gives_each_experts_solo_codes(actorder, symmetric, shape):
+    """Routed experts are solved as a stack (one column loop, one Cholesky call): each expert's codes must be the
+    very bytes of solving it alone, whatever stack it lands in: including a singular Hessian (RTN fallback),
+    a Hessian with dead columns, and partial blocks (320 = 2.5 blocks of 128)."""
+    out_f, in_f = shape
+    g = torch.Generator().manual_seed(5)
+    Ws, Hs = [], []
+    for e in range(6):
+        W = torch.randn(out_f, in_f, generator=g) * 0.05
+        X = correlated_inputs(4 if e == 3 else 600, in_f, seed=10 + e)  # expert 3: 4 tokens, low rank
+        if e == 2:
+            X[:, :7] = 0  # dead input columns
+        H = torch.zeros(in_f, in_f)
+        gptq.add_batch(H, X)
+        if e == 1:
+            H = -torch.eye(in_f)  # not positive definite even when damped: RTN
+        Ws.append(W)
+        Hs.append(H)
+
+    def qparams(W):
+        return rtn.group_qparams(W, 64 if in_f % 64 == 0 else 32 if in_f % 32 == 0 else in_f, symmetric=symmetric)
+
+    solo = [gptq.gptq_quantize(W, H.clone(), *qparams(W), actorder=actorder) for W, H in zip(Ws, Hs, strict=True)]
+    assert [f for _, f in solo] == [False, True, False, False, False, False]
+    for members in ([0, 1, 2, 3, 4, 5], [5, 2, 1], [3]):
+        W = torch.stack([Ws[e] for e in members])
+        scale = torch.stack([qparams(Ws[e])[0] for e in members])
+        zp = None if symmetric else torch.stack([qparams(Ws[e])[1] for e in members])
+        codes, fallback = gptq.gptq_quantize_batched(W, torch.stack([Hs[e] for e in members]), scale, zp,
+                                                     actorder=actorder)
+        for k, e in enumerate(members):
+            assert torch.equal(codes[k], solo[e][0]), (members, e)
+            assert bool(fallback[k]) == solo[e][1]
+
+
+def test_the_solve_gives_the_same_bytes_on_any_number_of_cpu_threads():
+    """Two CPU ranks split the cores (distributed.share_cores): a rank's results must not depend on its thread
+    count. LAPACK's Cholesky rounds differently on two threads, so the solve factors on one; the triangular
+    solve and the rest are the same bytes on any count."""
+    X = correlated_inputs(3000, 1024, seed=7)
+    H = torch.zeros(1024, 1024)
+    gptq.add_batch(H, X)
+    H = gptq.mirror_upper(H).expand(3, -1, -1).clone()
+    H.diagonal(dim1=-2, dim2=-1).add_(0.01 * H.diagonal(dim1=-2, dim2=-1).mean())
+    before = torch.get_num_threads()
+    try:
+        factors = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            factors.append(gptq.inverse_factor(H.clone())[0])
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(*factors)
+    ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H[0])), upper=True)
+    torch.testing.assert_close(factors[0][0], ref, rtol=1e-4, atol=1e-6 * float(ref.abs().max()))

@@ -77,6 +77,22 @@ def _row_blocks(n: int, block: int = 384) -> list[tuple[int, int]]:
 
 
 @contextlib.contextmanager
+def _thread_invariant(device: torch.device):
+    """One CPU thread: LAPACK's Cholesky rounds differently with another thread count (the only step of the
+    solve that does, measured), and the bytes must not depend on how many cores a rank was given (two CPU ranks
+    split them; distributed.share_cores). 7168 wide: 1.75 s on one thread against 0.95 s on two."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextlib.contextmanager
 def _reduced_precision_fp32_matmul(device: torch.device):
     """float32 matmuls with bf16 (CPU, oneDNN) or TF32 (CUDA) inputs and float32 accumulation and output.
     Exact for inputs that are bf16 values: both formats hold a bf16 mantissa whole."""
@@ -106,67 +122,146 @@ def gptq_quantize(
     Returns (codes, fallback): fallback is True when H was not positive definite even after dampening, in which
     case the codes are plain RTN.
     consume: the caller's last use of H; its storage is released as soon as the working copy exists.
+    The solve is gptq_quantize_batched's with a stack of one: the same codes as in any stack.
     """
-    out_features, in_features = W.shape
-    assert H.shape == (in_features, in_features), f"H {tuple(H.shape)} for W {tuple(W.shape)}"
-    n_groups = scale.shape[1]
-    group_size = in_features // n_groups
-    q_min, q_max = int_range(num_bits)
-    # Memory: H is the big one ([in, in] float32: 205 MB for a 7168-wide input). At most two of its size are
-    # alive past this copy (L, then its inverse), three while the caller keeps its own (a shared Hessian).
-    mirror_upper(H)
-    perm = torch.argsort(torch.diag(H), descending=True) if actorder else None
-    # one gather makes the permuted working copy (no intermediate); without actorder, a plain copy
-    work = H[perm.unsqueeze(1), perm.unsqueeze(0)].float() if perm is not None else H.to(torch.float32, copy=True)
+    assert H.shape == (W.shape[1], W.shape[1]), f"H {tuple(H.shape)} for W {tuple(W.shape)}"
+    work, perm = _working_copy(H[None], actorder)
     if consume:
         H.set_()
-    H = work
-    dead = torch.diag(H) == 0
-    H[dead, dead] = 1
+    codes, fallback = _solve(W[None], work, perm, scale[None], None if zero_point is None else zero_point[None],
+                             num_bits, blocksize, percdamp)
+    return codes[0], bool(fallback[0])
 
-    # Work on W^T: column i of W is row i here, contiguous, and each update is one in-place rank-1 addr_.
-    WT = torch.empty(in_features, out_features, dtype=torch.float32, device=W.device).copy_(W.t())  # row-major
-    group_of = torch.arange(in_features, device=W.device) // group_size
-    if perm is not None:
-        WT, group_of = WT[perm], group_of[perm]
-    WT[dead] = 0
-    group_of = group_of.tolist()
-    ST = scale.t().to(torch.float32)  # [n_groups, out]: row g holds group g's scales
-    ZT = None if zero_point is None else zero_point.t().to(torch.float32)
 
-    H.diagonal().add_(percdamp * torch.mean(torch.diag(H)))
-    L, info = torch.linalg.cholesky_ex(H, out=(H, torch.empty((), dtype=torch.int32, device=H.device)))  # in place
+def gptq_quantize_batched(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor | None = None,
+    num_bits: int = 4,
+    blocksize: int = 128,
+    percdamp: float = 0.01,
+    actorder: bool = True,
+    consume: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """gptq_quantize of a stack of same-shape matrices (the routed experts of a layer): W [E, out, in],
+    H [E, in, in], scale [E, out, groups]. Returns codes [E, out, in] int8 and fallback [E] bool.
+
+    One Cholesky call, one column loop and one block update per step for the whole stack, so the number of
+    kernel launches does not grow with E. Every step is per matrix (elementwise ops, batched products and
+    factorizations), so each expert's codes are those of solving it alone (tests/test_gptq.py)."""
+    assert H.shape == (W.shape[0], W.shape[2], W.shape[2]), f"H {tuple(H.shape)} for W {tuple(W.shape)}"
+    work, perm = _working_copy(H, actorder)
+    if consume:
+        H.set_()
+    return _solve(W, work, perm, scale, zero_point, num_bits, blocksize, percdamp)
+
+
+def _working_copy(H: torch.Tensor, actorder: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The float32 copy of a stack of Hessians [E, in, in] that the solve factors in place, permuted by
+    descending diagonal (activation order; a stable sort, so ties keep their column order), and the order.
+    Memory: H is the big one ([in, in] float32: 205 MB for a 7168-wide input). At most two of its size are
+    alive per matrix past this copy (L, then its inverse), three while the caller keeps its own."""
+    for h in H:
+        mirror_upper(h)
+    if not actorder:
+        return H.to(torch.float32, copy=True), None
+    perm = torch.argsort(H.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
+    rows = torch.arange(H.shape[0], device=H.device)[:, None, None]
+    return H[rows, perm[:, :, None], perm[:, None, :]].float(), perm  # one gather, no intermediate
+
+
+def inverse_factor(H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """U, the upper Cholesky factor of H^-1, for a stack of damped Hessians [E, n, n] (H is consumed), and
+    which of them were not positive definite (their U is the identity: plain RTN).
+
+    With P the order-reversing permutation and P H P = L L^T, U = P L^-1 P: one factorization and one
+    triangular solve, where cholesky_inverse and a second Cholesky cost 2.3x as much (and cholesky_inverse runs
+    4x slower again off the main thread, where the writer threads call the engine: 190 against 48 ms for 32
+    matrices of 512, measured)."""
+    E, n, _ = H.shape
+    H = H.flip(-2, -1)
+    info = torch.empty(E, dtype=torch.int32, device=H.device)
+    with _thread_invariant(H.device):
+        L, info = torch.linalg.cholesky_ex(H, out=(H, info))  # in place
     del H
-    fallback = bool(info.item() != 0)
-    if fallback:
-        del L
-        Hinv = torch.eye(in_features, dtype=torch.float32, device=W.device)
-    else:
-        Hinv = torch.cholesky_inverse(L)
-        del L
-        Hinv = torch.linalg.cholesky(Hinv, upper=True, out=Hinv)
+    fallback = info != 0
+    eye = torch.eye(n, dtype=torch.float32, device=L.device)
+    if fallback.any():
+        L[fallback] = eye
+    return torch.linalg.solve_triangular(L, eye.expand(E, -1, -1), upper=False).flip(-2, -1), fallback
 
-    codes_t = torch.empty(in_features, out_features, dtype=torch.int8, device=W.device)
+
+# Rows padded to this many elements: two vectors of the widest CPU kernels (AVX-512, 16 floats), and more.
+_LANES = 64
+_SUB_BLOCK = 32  # columns per sub-block of a GPTQ block
+
+
+def _solve(W, H, perm, scale, zero_point, num_bits, blocksize, percdamp) -> tuple[torch.Tensor, torch.Tensor]:
+    E, out_features, in_features = W.shape
+    group_size = in_features // scale.shape[-1]
+    q_min, q_max = int_range(num_bits)
+    d = H.diagonal(dim1=-2, dim2=-1)
+    dead = d == 0
+    d.masked_fill_(dead, 1)
+
+    # Work on W^T: column i of W is row i here, contiguous, so each column's update is one row-block op. Rows
+    # are padded to a multiple of 64 (zero weights, unit scales): every elementwise kernel then runs vectorized
+    # to the end of each row, with no scalar tail whose rounding might differ (a fused multiply-add), so a
+    # stack of E rounds exactly as E stacks of one, whose flattened rows would put the tails elsewhere.
+    width = -(-out_features // _LANES) * _LANES
+    WT = torch.zeros(E, in_features, width, dtype=torch.float32, device=W.device)
+    WT[..., :out_features] = W.transpose(1, 2)
+    group_of = torch.arange(in_features, device=W.device).expand(E, -1) // group_size
+    if perm is not None:
+        WT = WT.gather(1, perm[:, :, None].expand(-1, -1, width))
+        group_of = perm // group_size
+    WT.masked_fill_(dead[:, :, None], 0)
+    ST = torch.ones(E, scale.shape[-1], width, dtype=torch.float32, device=W.device)
+    ST[..., :out_features] = scale.transpose(1, 2)  # [E, n_groups, out]: row g holds group g's scales
+    ZT = None
+    if zero_point is not None:
+        ZT = torch.zeros_like(ST)
+        ZT[..., :out_features] = zero_point.transpose(1, 2)
+
+    d.add_(percdamp * d.mean(-1, keepdim=True))
+    Hinv, fallback = inverse_factor(H)
+    del H, d
+
+    codes_t = torch.empty(E, in_features, width, dtype=torch.int8, device=W.device)
     for i1 in range(0, in_features, blocksize):
         i2 = min(i1 + blocksize, in_features)
-        W1 = WT[i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
-        Hinv1 = Hinv[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            w, g = W1[i], group_of[i1 + i]
-            s = ST[g]
-            if ZT is None:
-                c = torch.clamp(torch.round(w / s), q_min, q_max)
-                q = c * s
-            else:
-                c = torch.clamp(torch.round(w / s + ZT[g]), q_min, q_max)
-                q = (c - ZT[g]) * s
-            codes_t[i1 + i] = c
-            err = (w - q) / Hinv1[i, i]
-            W1[i:].addr_(Hinv1[i, i:], err, alpha=-1)
-            Err1[i] = err
-        WT[i2:] -= Hinv[i1:i2, i2:].t() @ Err1
+        W1 = WT[:, i1:i2].clone()
+        Q1, Err1 = torch.empty_like(W1), torch.empty_like(W1)
+        Hinv1 = Hinv[:, i1:i2, i1:i2]
+        d1 = Hinv1.diagonal(dim1=-2, dim2=-1)
+        g1 = group_of[:, i1:i2, None].expand(-1, -1, width)
+        S1 = ST.gather(1, g1)  # the scales of each column's own group, [E, block, out]
+        Z1 = None if ZT is None else ZT.gather(1, g1)
+        b = i2 - i1
+        for j1 in range(0, b, _SUB_BLOCK):
+            # A column's error reaches the rest of its sub-block one rank-1 update at a time, and the rest of
+            # the block by one product per sub-block: the same arithmetic as rank-1 updates to the block's end,
+            # with a quarter of the elementwise work (which, unlike products, runs a kernel per column).
+            j2 = min(j1 + _SUB_BLOCK, b)
+            for i in range(j1, j2):
+                w, s, c, err = W1[:, i], S1[:, i], Q1[:, i], Err1[:, i]
+                torch.div(w, s, out=c)
+                if Z1 is None:
+                    c.round_().clamp_(q_min, q_max)
+                    torch.addcmul(w, c, s, value=-1, out=err)  # w - q, q = c * s
+                else:
+                    c.add_(Z1[:, i]).round_().clamp_(q_min, q_max)
+                    torch.addcmul(w, c - Z1[:, i], s, value=-1, out=err)  # q = (c - z) * s
+                err.div_(d1[:, i, None])
+                W1[:, i:j2].addcmul_(Hinv1[:, i, i:j2, None], err[:, None, :], value=-1)
+            if j2 < b:
+                W1[:, j2:].sub_(torch.bmm(Hinv1[:, j1:j2, j2:].transpose(1, 2), Err1[:, j1:j2]))
+        codes_t[:, i1:i2] = Q1
+        if i2 < in_features:
+            WT[:, i2:].sub_(torch.bmm(Hinv[:, i1:i2, i2:].transpose(1, 2), Err1))
 
+    codes_t = codes_t[..., :out_features]
     if perm is not None:
-        codes_t = codes_t[torch.argsort(perm)]
-    return codes_t.t().contiguous(), fallback
+        codes_t = codes_t.gather(1, torch.argsort(perm, dim=-1)[:, :, None].expand(-1, -1, out_features))
+    return codes_t.transpose(1, 2).contiguous(), fallback
