@@ -469,6 +469,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             "layers": len(stats.layers),
             "resumed_layers": stats.resumed_layers,
             "seconds_per_layer": [round(x.seconds, 3) for x in stats.layers],
+            "seconds_per_phase": [{k: round(v, 3) for k, v in x.phases.items()} for x in stats.layers],
             "experts_calibrated": sum(x.experts_calibrated for x in stats.layers),
             "fallbacks": [f for x in stats.layers for f in x.fallbacks],
             "mean_relative_weight_error": stats.mean_error(),

@@ -12,7 +12,8 @@ from test_gptq import calibration_samples, interrupted_run
 from quantize import calib, recipe
 from quantize.checkpoint import Checkpoint
 from quantize.engine import stream
-from quantize.engine.layerwise import Calibrated, LayerwiseQuantizer, _apply_scales
+from quantize.engine.awq_layer import _apply_scales, _mappings
+from quantize.engine.layerwise import Calibrated, LayerwiseQuantizer
 from quantize.quant import awq
 from quantize.tensor_plan import build
 
@@ -52,7 +53,7 @@ def test_smoothing_every_mapping_leaves_the_float_layer_unchanged(kind, fixtures
     for i in range(plan.model.num_hidden_layers):
         layer = q._build_layer(i).float()
         modules = dict(layer.named_modules())
-        mappings = q._awq_mappings(modules, q._layer_targets(i))
+        mappings = _mappings(q, modules, q._layer_targets(i))
         assert mappings
         h = q.hidden[0].float()
         pos = q.positions[0]

@@ -4,15 +4,14 @@ Calibration tokens are embedded once; then for each decoder layer in order the l
 architecture's transformers class (meta init, then only this layer's weights, decoded from the source
 format), the calibration batch runs through it while the inputs of every targeted Linear are accumulated
 into Hessians, the Linears are quantized, and the batch runs again through the quantized layer to give the
-next layer its inputs (GPTQ's error propagation). Routed experts are unfused into per-expert Linears; their
-inputs are recorded with the router's choice and each expert is quantized on its own, so only one expert's
-Hessian is ever held. Activations stay on the compute device, in host memory or in memory-mapped files.
+next layer its inputs (GPTQ's error propagation). Under GPTQ a MoE layer's routed experts are not in the
+layer: their inputs are recorded, and engine/experts.py decodes, solves and runs them a chunk at a time, split
+over the ranks. Activations live where engine/activations.py keeps them (device, host, or mapped files).
+
+This module is the layer loop and the dense work (Hessian hooks, GPTQ of attention and dense MLPs, AWQ).
 """
 
-import ctypes
-import ctypes.util
 import math
-import re
 import shutil
 import tempfile
 import threading
@@ -29,143 +28,35 @@ import torch
 from torch import nn
 
 from quantize import compute, kvcache, serving
+from quantize.engine import experts as routed
+from quantize.engine.activations import ActivationStore, TokenBuffer, choose_offload, release_freed_memory
+from quantize.engine.awq_layer import awq_layer, takes_topk
 from quantize.engine.layer_state import CALIB_DIR, LayerCheckpoint, Resume, samples_key
 from quantize.errors import QuantizeError
-from quantize.quant import awq, gptq, pack, rtn
+from quantize.quant import gptq, pack, rtn
 from quantize.tensor_plan import Entry, Plan
 
 
-def _libc_trim():
-    """glibc's malloc_trim, or None elsewhere."""
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        return None
-
-
-_MALLOC_TRIM = _libc_trim()
-
-
-def release_freed_memory() -> None:
-    """Hand memory freed by torch back to the OS. glibc keeps freed mid-sized blocks in its heap, and the many
-    short-lived GPTQ buffers of varied sizes fragment it: without this, resident memory grows by ~100 MB over
-    the first layers of even a 135M model and never comes back."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-class ActivationStore:
-    """One tensor per calibration sample, kept where the engine decided: gpu, cpu or disk (memory-mapped)."""
-
-    def __init__(self, kind: str, device: torch.device, folder: Path | None = None):
-        self.kind, self.device, self.folder = kind, device, folder
-        self.items: list = []
-
-    def append(self, t: torch.Tensor) -> None:
-        self.items.append(None)
-        self[len(self.items) - 1] = t
-
-    def __setitem__(self, i: int, t: torch.Tensor) -> None:
-        """Store t as sample i; a layer's output replaces its input, so one copy of the activations is held."""
-        old = self.items[i]
-        if isinstance(old, torch.Tensor) and (old.dtype, old.shape) == (t.dtype, t.shape):
-            # written into the input's memory: a fresh tensor per sample would hold all the old ones until the
-            # allocator reuses them (+70% of the activations in layer 0's pass, measured), and re-pin each one
-            old.copy_(t.detach())
-        elif self.kind == "gpu":
-            self.items[i] = t.detach()
-        elif self.kind == "cpu":
-            cpu = t.detach().to("cpu")
-            self.items[i] = cpu.pin_memory() if self.device.type == "cuda" else cpu
-        elif self.items[i] is not None and self.items[i][1:] == (t.dtype, tuple(t.shape)):
-            self._mapped(self.items[i]).copy_(t.detach())  # same file, rewritten through its mapping
-        else:
-            path = self.folder / f"{id(self)}-{i}.bin"
-            t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tofile(path)
-            self.items[i] = (path, t.dtype, tuple(t.shape))
-
-    @staticmethod
-    def _mapped(item) -> torch.Tensor:
-        path, dtype, shape = item
-        return torch.from_file(str(path), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        item = self.items[i]
-        if self.kind == "disk":
-            item = self._mapped(item)
-        return item.to(self.device, non_blocking=True)
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def clear(self) -> None:
-        if self.kind == "disk":
-            for path, _, _ in self.items:
-                path.unlink(missing_ok=True)
-        self.items = []
-
-
-def choose_offload(offload: str, device: torch.device, need: int) -> str:
-    """gpu when the activations fit in half the free GPU memory, else cpu when they fit in half the free
-    host memory, else disk."""
-    if offload != "auto":
-        return offload
-    if device.type == "cuda" and torch.cuda.mem_get_info(device)[0] // 2 > need:
-        return "gpu"
-    if psutil.virtual_memory().available // 2 > need:
-        return "cpu"
-    return "disk"
-
-
-def layer_bytes(plan: Plan, dtype: torch.dtype) -> int:
-    """The largest decoder layer's weights decoded to `dtype`: what the engine holds besides activations."""
+def layer_bytes(plan: Plan, dtype: torch.dtype, experts: bool = True) -> int:
+    """The largest decoder layer's weights decoded to `dtype`: what the engine holds besides activations.
+    experts=False leaves out the routed experts, which GPTQ decodes a bounded chunk at a time."""
     per_layer: dict[int, int] = defaultdict(int)
     for e in plan.entries:
-        if e.role.layer is not None and e.role.kind != "mtp":
+        if e.role.layer is not None and e.role.kind != "mtp" and (experts or e.role.kind != "expert"):
             per_layer[e.role.layer] += math.prod(e.tensor.shape) * dtype.itemsize
     return max(per_layer.values(), default=0)
 
 
 def check_layer_memory(plan: Plan, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse up front, with the numbers, when one layer cannot fit where it must run."""
-    need = layer_bytes(plan, dtype)
+    """Refuse up front, with the numbers, when one layer cannot fit where it must run (under GPTQ, without
+    its routed experts: they come a chunk at a time)."""
+    need = layer_bytes(plan, dtype, experts=plan.recipe.method != "gptq")
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
     if need > free:
         raise QuantizeError(
             f"one decoder layer needs {need / 2**30:.1f} GiB on {device} but {free / 2**30:.1f} GiB is free; "
             "use a device with more memory or free some"
         )
-
-
-class UnfusedExperts(nn.ModuleList):
-    """transformers' fused `experts` (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as per-expert Linears named
-    as in the checkpoint (`experts.E.{gate,up,down}_proj`), with the same forward, recording what it is sent."""
-
-    def __init__(self, num_experts: int, hidden: int, inter: int, act_fn, dtype: torch.dtype):
-        super().__init__()
-        for _ in range(num_experts):
-            e = nn.Module()
-            e.gate_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype)
-            e.up_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype)
-            e.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype)
-            self.append(e)
-        self.__dict__["act_fn"] = act_fn  # not a child: the children are exactly the experts, as in the checkpoint
-        self.record: Callable | None = None
-
-    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        m = self[e]
-        return m.down_proj(self.act_fn(m.gate_proj(x)) * m.up_proj(x))
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if self.record is not None:
-            self.record(hidden_states, top_k_index)
-        out = torch.zeros_like(hidden_states)
-        for e in torch.unique(top_k_index).tolist():
-            token_idx, top_k_pos = torch.where(top_k_index == e)
-            y = self.expert_forward(e, hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
-            out.index_add_(0, token_idx, y.to(out.dtype))
-        return out
 
 
 @dataclass
@@ -177,6 +68,7 @@ class LayerReport:
     fallbacks: list[str] = field(default_factory=list)
     tokens_per_expert: dict[int, int] = field(default_factory=dict)
     kv_scale: list[float] | None = None  # FP8 KV cache (k_scale, v_scale) measured on this layer
+    phases: dict[str, float] = field(default_factory=dict)  # seconds: forward, dense, experts, routed_output_...
 
 
 @dataclass
@@ -213,11 +105,14 @@ class LayerwiseQuantizer:
                  on_layer: Callable[[LayerReport, int], None] | None = None,
                  on_expert: Callable[[int, int], None] | None = None, checkpoint: LayerCheckpoint | None = None,
                  resume: Resume | None = None, finished: Callable[[], set[str]] = frozenset,
-                 compute_dtype: torch.dtype | None = None):
+                 compute_dtype: torch.dtype | None = None, worker: bool = False):
         self.plan, self.device, self.on_layer, self.on_expert = plan, device, on_layer, on_expert
         self.checkpoint, self.finished = checkpoint, finished
         self.written = finished()  # tensors of shards finished before a resume: not kept if recomputed
         self.lock = threading.Lock()
+        # OpenMP's thread count is per calling thread: the writer threads that call `produce` must be given the
+        # count set for this rank (distributed.share_cores), or two CPU ranks run three threads on two cores
+        self.threads = torch.get_num_threads()
         dist = torch.distributed
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
@@ -237,8 +132,9 @@ class LayerwiseQuantizer:
         self.next_layer = 0
         hidden = self.model.hidden_size
         tokens = sum(s.numel() for s in samples)
+        # the hidden states, and a MoE layer's inputs twice (its calibration pass and its quantized pass)
         need = tokens * hidden * self.compute.itemsize * 3
-        self.stats.offload = choose_offload(offload, device, need)
+        self.stats.offload = choose_offload(offload, device, need, layer_bytes(plan, self.compute, experts=False))
         # disk offload goes where TMPDIR points: put it on a fast disk with room for the activations
         self._tmp = Path(tempfile.mkdtemp(prefix="quantize-act-")) if self.stats.offload == "disk" else None
         self.hidden = self._store()
@@ -249,7 +145,10 @@ class LayerwiseQuantizer:
         self.rotary = type(self.skeleton.model.rotary_emb)(config=self.config).to(self.device)
         self.resumed_from = 0
         self._saver, self._saving = ThreadPoolExecutor(max_workers=1), None
-        if resume is not None:
+        self.tokens = tokens
+        if worker:
+            pass  # a rank > 0 holds no hidden states: it is sent each MoE layer's inputs
+        elif resume is not None:
             self._restore(resume)
         else:
             self._embed(samples)
@@ -288,7 +187,7 @@ class LayerwiseQuantizer:
 
     def _save_checkpoint(self, i: int) -> None:
         results = {n: ts for n, ts in self.results.items() if self.entries[n].role.layer == i}
-        activations = {f"hidden.{s}": self.hidden[s] for s in range(len(self.hidden))}
+        activations = {f"hidden.{s}": self.hidden.host(s) for s in range(len(self.hidden))}
         activations |= {f"carry.{s}": c for s, c in enumerate(self.carry) if c is not None}
         prefix = f"{self.model.prefix}model.layers.{i}."
         # written while the next layer's calibration pass runs, which reads the activations but changes nothing
@@ -311,12 +210,17 @@ class LayerwiseQuantizer:
         return {t: mask for t in set(layer_types)} if isinstance(layer_types, list) else mask
 
     def _build_layer(self, i: int) -> nn.Module:
+        """Layer i with its weights decoded from the source. Under GPTQ a MoE layer's routed experts are
+        Deferred (decoded later, a chunk at a time, by engine/experts.py); under AWQ they are unfused Linears."""
         layer = self.skeleton.model.layers[i]
         experts = getattr(getattr(layer, "mlp", None), "experts", None)
         if experts is not None and hasattr(experts, "gate_up_proj"):
-            with torch.device("meta"):
-                layer.mlp.experts = UnfusedExperts(experts.num_experts, experts.hidden_dim, experts.intermediate_dim,
-                                                   experts.act_fn, self.compute)
+            if self._streams_experts(i):
+                layer.mlp.experts = routed.Deferred(experts.act_fn)
+            else:
+                with torch.device("meta"):
+                    layer.mlp.experts = routed.UnfusedExperts(experts.num_experts, experts.hidden_dim,
+                                                              experts.intermediate_dim, experts.act_fn, self.compute)
         layer.to_empty(device=self.device)
         prefix = f"{self.model.prefix}model.layers.{i}."
         want = dict(layer.named_parameters()) | dict(layer.named_buffers())
@@ -336,13 +240,13 @@ class LayerwiseQuantizer:
         """The calibration samples through `layer`; with `advance`, each output replaces its input in place.
         With `stop`, a sample's forward ends as soon as `stop` has seen all it waits for."""
         layer_type = (getattr(self.config, "layer_types", None) or [None] * (i + 1))[i]
-        takes_topk = _takes_topk(layer)
+        topk = takes_topk(layer)
         # inference mode, not just no_grad: ~12% less dispatch overhead per forward (measured on a SmolLM2 layer)
         with torch.inference_mode():
             for s in range(len(self.hidden)):
                 h, pos = self.hidden[s], self.positions[s]
                 mask, rotary = self._inputs(h, pos, layer_type)
-                kwargs = {"prev_topk_indices": self.carry[s]} if takes_topk else {}
+                kwargs = {"prev_topk_indices": self.carry[s]} if topk else {}
                 if stop is not None:
                     stop.reset()
                 try:
@@ -377,6 +281,8 @@ class LayerwiseQuantizer:
         if self.recipe.method == "gptq" and e.tensor.name not in self.targets and e.action != "kv_scale":
             return None  # GPTQ changes only what it quantizes; AWQ smoothing also rescales norms and routers
         with self.lock:  # writer threads ask concurrently; layers must run one at a time, in order
+            if torch.get_num_threads() != self.threads:
+                torch.set_num_threads(self.threads)
             if layer < self.resumed_from:
                 return self.checkpoint.result(layer, e.tensor.name)
             while self.next_layer <= layer:
@@ -388,16 +294,25 @@ class LayerwiseQuantizer:
         prefix = f"{self.model.prefix}model.layers.{i}."
         return {n[len(prefix):-len(".weight")]: e for n, e in self.targets.items() if e.role.layer == i}
 
+    def _streams_experts(self, i: int) -> bool:
+        """Whether layer i's routed experts are GPTQ targets, solved by engine/experts.py."""
+        return self.recipe.method == "gptq" and any(".experts." in m for m in self._layer_targets(i))
+
     def _quantize_layer(self, i: int) -> None:
         t0 = time.perf_counter()
         targets = self._layer_targets(i)
         layer = self._build_layer(i)
         report = LayerReport(layer=i, seconds=0.0, modules=len(targets))
+        moe = None
         if self.recipe.method == "awq":
-            self._awq_layer(layer, i, targets, report)
+            awq_layer(self, layer, i, targets, report)
         else:
-            self._gptq_layer(layer, i, targets, report)
+            moe = self._gptq_layer(layer, i, targets, report)
         self._wait_for_checkpoint()  # the previous layer's checkpoint still reads the activations about to change
+        t1 = time.perf_counter()
+        if moe is not None:
+            moe.start_advance()
+            self._deferred(layer).record = moe.record_advance
         if self.recipe.kv_cache:  # observed on the quantized layer, whose K and V are what serving caches
             mla = self.config.qk_nope_head_dim if hasattr(layer.self_attn, "kv_a_layernorm") else None
             with kvcache.observe(layer.self_attn, mla) as amax:
@@ -405,6 +320,9 @@ class LayerwiseQuantizer:
             self._kv_scales(i, amax, mla is not None, report)
         else:
             self._run(layer, i, advance=True)
+        report.phases["forward"] = report.phases.get("forward", 0.0) + time.perf_counter() - t1
+        if moe is not None:
+            self._finish_experts(moe, i, targets, report)
         release_freed_memory()
         self.skeleton.model.layers[i] = nn.Module()  # drop the layer's weights
         report.seconds = time.perf_counter() - t0
@@ -416,6 +334,66 @@ class LayerwiseQuantizer:
         if self.on_layer:
             self.on_layer(report, self.model.num_hidden_layers)
 
+    @staticmethod
+    def _deferred(layer: nn.Module) -> "routed.Deferred":
+        return next(mod for mod in layer.modules() if isinstance(mod, routed.Deferred))
+
+    def _layer_experts(self, i: int, targets: dict[str, Entry]) -> "routed.LayerExperts":
+        """The expert work of MoE layer i, the same on every rank."""
+        by_expert: dict[int, dict[str, Entry]] = defaultdict(dict)
+        for m, e in targets.items():
+            if ".experts." in m:
+                by_expert[e.role.expert][m.rsplit(".", 1)[1]] = e
+        act_fn = self.skeleton.model.layers[i].mlp.experts.act_fn  # fused, or the Deferred that replaced it
+        setting = routed.Setting(self.ckpt, self.device, self.compute, self.dtype, self.recipe.scheme,
+                                 self.recipe.gptq, self.recipe.calibration, self.world, self.rank)
+        prefix = f"{self.model.prefix}model.layers.{i}.mlp.experts."
+        return routed.LayerExperts(setting, prefix, self.config.n_routed_experts, dict(by_expert), self.tokens,
+                                   self.model.hidden_size, self.config.num_experts_per_tok, act_fn,
+                                   partial(TokenBuffer, self.stats.offload, self.device, self._tmp), self.on_expert)
+
+    def _finish_experts(self, moe: "routed.LayerExperts", i: int, targets: dict[str, Entry],
+                        report: LayerReport) -> None:
+        """Rank 0, after the quantized layer's pass: this rank's experts solved, every routed output added to the
+        layer's outputs, every expert's result collected and recorded."""
+        t = time.perf_counter()
+        moe.share_advance()
+        moe.solve()
+        t1 = time.perf_counter()
+        y = moe.routed_output()
+        start = 0
+        for s in range(len(self.hidden)):
+            n = self.positions[s].numel()
+            h = self.hidden[s]
+            self.hidden[s] = h + y[start:start + n].view_as(h)
+            start += n
+        del y
+        results = moe.collect()
+        t2 = time.perf_counter()
+        cal = self.recipe.calibration
+        report.tokens_per_expert = dict(enumerate(moe.counts))
+        rel = {e.role.expert: m.split(".experts.")[0] + ".experts." for m, e in targets.items() if ".experts." in m}
+        for e in sorted(rel):
+            if moe.rtn_only(e):
+                report.fallbacks.append(f"{rel[e]}{e} ({moe.counts[e]} tokens < {cal.min_expert_tokens}: RTN)")
+            else:
+                report.experts_calibrated += 1
+        for (e, leaf), r in sorted(results.items()):
+            entry = targets[f"{rel[e]}{e}.{leaf}"]
+            if r.fallback:
+                report.fallbacks.append(f"{entry.role.module} (Hessian not positive definite: RTN)")
+            self.stats.error[entry.role.kind].append(r.error)
+            if entry.tensor.name in self.written:
+                continue
+            out = [r.packed, r.scale, torch.tensor(entry.tensor.shape, dtype=torch.int64)]
+            if r.zero_point is not None:
+                out.append(r.zero_point)
+            self.results[entry.tensor.name] = out
+        if self.on_expert is not None:
+            self.on_expert(self.config.n_routed_experts - 1, self.config.n_routed_experts)
+        report.phases["experts"] = t1 - t
+        report.phases["routed_output_and_exchange"] = t2 - t1
+
     def _kv_scales(self, i: int, amax: kvcache.Amax, mla: bool, report: LayerReport) -> None:
         k, v = kvcache.scales(amax, self.dtype, mla)
         report.kv_scale = [float(k), float(v)]
@@ -423,33 +401,35 @@ class LayerwiseQuantizer:
             if name in self.entries and name not in self.written:
                 self.results[name] = [t]
 
-    def _gptq_layer(self, layer: nn.Module, i: int, targets: dict[str, Entry], report: LayerReport) -> None:
+    def _gptq_layer(self, layer: nn.Module, i: int, targets: dict[str, Entry],
+                    report: LayerReport) -> "routed.LayerExperts | None":
+        """The calibration pass (dense Hessians, the routed experts' inputs), then GPTQ of the dense Linears.
+        Returns the layer's pending expert work, or None for a layer without routed targets."""
+        t0 = time.perf_counter()
         modules = dict(layer.named_modules())
-        expert_targets = {m for m in targets if ".experts." in m}
+        moe = self._layer_experts(i, targets) if self._streams_experts(i) else None
+        expert_targets = {m for m in targets if ".experts." in m} if moe is not None else set()
         hessians = _Hessians(self.device)
         dense_targets = [m for m in targets if m not in expert_targets]
-        moe_inputs, routes = self._store(), []
-        experts_module = next((mod for mod in modules.values() if isinstance(mod, UnfusedExperts)), None)
-        record_moe = bool(expert_targets) and experts_module is not None
         # the pass is only for the Hessians: once every target has seen its input, the rest of the layer (the
-        # last down_proj, the routed experts' own forward) is skipped
-        stop = _StopWhenAllSeen([*dense_targets, *(["experts"] if record_moe else [])])
+        # last down_proj, the shared experts when they are not quantized) is skipped
+        stop = _StopWhenAllSeen([*dense_targets, *(["experts"] if moe is not None else [])])
         hooks = [modules[m].register_forward_pre_hook(partial(hessians.hook, m)) for m in dense_targets]
         hooks += [modules[m].register_forward_pre_hook(partial(stop.pre_hook, m)) for m in dense_targets]
-        if record_moe:
-            def record(x, top_k_index):
-                moe_inputs.append(x)
-                routes.append(top_k_index.to("cpu"))
+        if moe is not None:
+            def record(x, top_k_index, top_k_weights):
+                moe.record_calibration(x, top_k_index, top_k_weights)
                 stop.seen("experts")
-            experts_module.record = record
+            self._deferred(layer).record = record
         self._run(layer, i, advance=False, after_sample=hessians.next_sample, stop=stop)
         hessians.flush()
         for h in hooks:
             h.remove()
-        if experts_module is not None:
-            experts_module.record = None
-        if expert_targets and self.world > 1:
-            _broadcast_moe_inputs(moe_inputs, routes)
+        t1 = time.perf_counter()
+        report.phases["forward"] = t1 - t0
+        if moe is not None:
+            self._deferred(layer).record = None
+            moe.share_calibration()  # the other ranks start on their experts now
         by_input: dict[int, list[str]] = defaultdict(list)  # q/k/v, gate/up: one Hessian, one stacked solve
         for m in sorted(set(targets) - expert_targets):
             by_input[id(hessians.by_module[m])].append(m)
@@ -460,100 +440,8 @@ class LayerwiseQuantizer:
                 self._commit(modules[m], targets[m], *result, report)
             release_freed_memory()
         hessians.by_module.clear()
-        if expert_targets:
-            self._quantize_experts(experts_module, targets, moe_inputs, routes, report)
-        moe_inputs.clear()
-
-    def _awq_mappings(self, modules: dict[str, nn.Module], targets: dict[str, Entry]) -> list[tuple[str, list[str]]]:
-        """(smooth, balance) pairs present in this layer whose balance layers include something quantized."""
-        pairs = []
-        for smooth, patterns in self.model.arch.awq_norms:
-            if smooth in modules:
-                balance = [n for n in modules if any(re.fullmatch(p, n) for p in patterns)
-                           and getattr(modules[n], "weight", None) is not None]
-                pairs.append((smooth, balance))
-        for n, mod in modules.items():
-            if n.endswith("up_proj") and (down := n[: -len("up_proj")] + "down_proj") in modules:
-                pairs.append((n, [down]))
-            if n.endswith("self_attn.v_proj") and (o := n[: -len("v_proj")] + "o_proj") in modules:
-                if mod.out_features == modules[o].in_features:
-                    pairs.append((n, [o]))
-        return [(sm, bal) for sm, bal in pairs if bal and any(b in targets for b in bal)]
-
-    def _attention_loss(self, layer: nn.Module, quantized: list[nn.Module], inputs: list[torch.Tensor]):
-        """AWQ loss at the attention block's output, over whole calibration batches."""
-        takes_topk = _takes_topk(layer.self_attn)
-
-        def run() -> list[torch.Tensor]:
-            outs = []
-            with torch.no_grad():
-                for b, x in enumerate(inputs):
-                    pos = self.positions[b]
-                    mask = self._mask(x, pos)
-                    if isinstance(mask, dict):
-                        mask = next(iter(mask.values()))
-                    kwargs = {"prev_topk_indices": self.carry[b]} if takes_topk else {}
-                    y = layer.self_attn(hidden_states=x, attention_mask=mask, position_ids=pos,
-                                        position_embeddings=self.rotary(x, pos), **kwargs)
-                    outs.append(y[0] if isinstance(y, tuple) else y)
-            return outs
-
-        return _swapped_loss(run, quantized, self.recipe.scheme.group_size, self.recipe.scheme.symmetric)
-
-    def _awq_layer(self, layer: nn.Module, i: int, targets: dict[str, Entry], report: LayerReport) -> None:
-        """Record the inputs each mapping's balance layers see, search and apply the scales, then RTN."""
-        modules = dict(layer.named_modules())
-        mappings = self._awq_mappings(modules, targets)
-        experts = next((mod for mod in modules.values() if isinstance(mod, UnfusedExperts)), None)
-        rec = _AWQRecorder(self.awq_rows, len(self.hidden))
-        hooks = []
-        for smooth, balance in mappings:
-            if isinstance(modules[smooth], nn.Linear):  # up -> down, v -> o: record what the balance layer receives
-                hooks.append(modules[balance[0]].register_forward_pre_hook(partial(rec.pre_hook, smooth)))
-            else:
-                hooks.append(modules[smooth].register_forward_hook(partial(rec.hook, smooth)))
-        if experts is not None:
-            experts.record = rec.record_routes
-        self._run(layer, i, advance=False)
-        for h in hooks:
-            h.remove()
-        if experts is not None:
-            experts.record = None
-
-        s, g = self.recipe.scheme, self.recipe.scheme.group_size
-        modified: set[str] = set()
-        for smooth, balance in mappings:
-            x_mean, X = rec.stats(smooth)
-            if X is None:
-                continue
-            quantized = [b for b in balance if b in targets]
-            parent = _parent(smooth, balance, modules)
-            if parent == "self_attn":
-                loss = self._attention_loss(layer, [modules[b] for b in quantized], rec.attention_inputs)
-            elif parent == "mlp":
-                loss = _module_loss(layer.mlp, [modules[b] for b in quantized], [X.to(self.device, self.compute)[None]], g,
-                                    s.symmetric)
-            else:
-                loss = awq.linear_loss([(modules[b].weight.data, X.to(self.device)) for b in quantized], g, s.symmetric)
-            scales, ratio, initial, best = awq.search(x_mean.to(self.device), [modules[b].weight.data for b in quantized],
-                                                     loss, g, self.recipe.awq.n_grid)
-            self.stats.awq.append({"layer": i, "smooth": smooth, "ratio": ratio, "loss_identity": initial,
-                                   "loss_best": best})
-            _apply_scales(modules[smooth], [modules[b] for b in balance], scales.to(self.device))
-            modified.update([smooth, *balance])
-            if smooth == "input_layernorm":  # later attention losses must see the rescaled norm's output
-                rec.attention_inputs = [(x.float() / scales.to(x.device)).to(x.dtype) for x in rec.attention_inputs]
-        rec.attention_inputs.clear()
-        for m, e in targets.items():
-            self._quantize_module(modules[m], e, report)
-        prefix = f"{self.model.prefix}model.layers.{i}."
-        for m in sorted(modified - set(targets)):
-            for leaf in ("weight", "bias"):
-                name = f"{prefix}{m}.{leaf}"
-                t = getattr(modules[m], leaf, None)
-                if t is None or name not in self.entries or name in self.written:
-                    continue
-                self.results[name] = [t.detach().to("cpu", _dtype(self.entries[name].outputs[0].dtype))]
+        report.phases["dense"] = time.perf_counter() - t1
+        return moe
 
     def _quantize_weight(self, W: torch.Tensor, H: torch.Tensor | None):
         """(codes, scale, zero_point, fallback) of one weight: GPTQ against H, or RTN when H is None. H is
@@ -600,86 +488,18 @@ class LayerwiseQuantizer:
         self._commit(module, e, *self._quantize_weight(module.weight.data, None), report)
         release_freed_memory()
 
-    def _quantize_experts(self, experts: UnfusedExperts, targets: dict[str, Entry], inputs: ActivationStore,
-                          routes: list[torch.Tensor], report: LayerReport) -> None:
-        """GPTQ of the routed experts one at a time; with several ranks, expert e is computed on rank
-        e % world and its result broadcast, so every rank holds one expert's Hessians at a time."""
-        cal = self.recipe.calibration
-        n_experts = len(experts)
-        counts = torch.zeros(n_experts, dtype=torch.long)
-        for r in routes:
-            counts += torch.bincount(r.flatten(), minlength=n_experts)
-        report.tokens_per_expert = {e: int(c) for e, c in enumerate(counts)}
-        prefix = next(iter(targets)).split(".experts.")[0] + ".experts."
-        for e in range(n_experts):
-            names = {leaf: f"{prefix}{e}.{leaf}" for leaf in ("gate_proj", "up_proj", "down_proj")}
-            names = {k: v for k, v in names.items() if v in targets}
-            if not names:
-                continue
-            m = experts[e]
-            rtn_only = counts[e] < max(cal.min_expert_tokens, 1) and not cal.calibrate_all_experts
-            if rtn_only:
-                report.fallbacks.append(f"{prefix}{e} ({int(counts[e])} tokens < {cal.min_expert_tokens}: RTN)")
-            else:
-                report.experts_calibrated += 1
-            owner = e % self.world
-            done = {}
-            if owner == self.rank:
-                done = self._one_expert(experts, e, names, inputs, routes, rtn_only)
-            for leaf, name in names.items():
-                module = getattr(m, leaf)
-                if self.world > 1:
-                    done[leaf] = _broadcast_result(done.get(leaf), module.weight.shape, self.recipe.scheme, owner,
-                                                   self.dtype, self.device)
-                if self.rank == 0:
-                    self._commit(module, targets[name], *done[leaf], report)
-            if self.on_expert is not None:
-                self.on_expert(e, n_experts)
-
-    def _one_expert(self, experts: UnfusedExperts, e: int, names: dict[str, str], inputs: ActivationStore,
-                    routes: list[torch.Tensor], rtn_only: bool) -> dict[str, tuple]:
-        cal, m = self.recipe.calibration, experts[e]
-        if rtn_only:
-            return {leaf: self._quantize_weight(getattr(m, leaf).weight.data, None) for leaf in names}
-        H_in = torch.zeros(m.gate_proj.in_features, m.gate_proj.in_features, device=self.device)
-        H_down = torch.zeros(m.down_proj.in_features, m.down_proj.in_features, device=self.device)
-
-        def routed():
-            for s in range(len(inputs)):
-                x = inputs[s]
-                yield x if cal.calibrate_all_experts else x[(routes[s] == e).any(dim=-1).to(x.device)]
-
-        with torch.no_grad():
-            for x in gptq.batched_rows(routed()):
-                gptq.add_batch(H_in, x)
-                gptq.add_batch(H_down, experts.act_fn(m.gate_proj(x)) * m.up_proj(x))
-        done = {}
-        for group, H in (([leaf for leaf in names if leaf != "down_proj"], H_in), (["down_proj"], H_down)):
-            group = [leaf for leaf in group if leaf in names]
-            if group:
-                stacked = self._quantize_stacked([getattr(m, leaf).weight.data for leaf in group], H)
-                done |= zip(group, stacked, strict=True)
-        return done
-
     def run_worker(self) -> None:
-        """Rank > 0: take part in every layer's expert split; rank 0 does everything else and writes."""
+        """Rank > 0: its share of every MoE layer's routed experts; rank 0 does everything else and writes."""
         for i in range(self.next_layer, self.model.num_hidden_layers):
-            targets = self._layer_targets(i)
-            expert_targets = {m for m in targets if ".experts." in m}
-            if not expert_targets or self.recipe.method != "gptq":
+            if not self._streams_experts(i):
                 continue
-            layer = self._build_layer(i)
-            experts = next(mod for mod in layer.modules() if isinstance(mod, UnfusedExperts))
-            inputs, routes = self._store(), []
-            for s in range(len(self.positions)):
-                tokens = self.positions[s].numel()
-                inputs.append(_receive(torch.empty(tokens, self.model.hidden_size, dtype=self.compute,
-                                                   device=self.device)))
-                routes.append(_receive(torch.empty(tokens, self.config.num_experts_per_tok, dtype=torch.int64,
-                                                   device=self.device)).to("cpu"))
-            self._quantize_experts(experts, targets, inputs, routes, LayerReport(layer=i, seconds=0.0, modules=0))
-            inputs.clear()
-            self.skeleton.model.layers[i] = nn.Module()
+            moe = self._layer_experts(i, self._layer_targets(i))
+            moe.share_calibration()
+            moe.solve()
+            moe.share_advance()
+            moe.routed_output()
+            moe.collect()
+            release_freed_memory()
 
 
 def _check_checkpoint_space(partial: Path, plan: Plan, samples: list[torch.Tensor], dtype: torch.dtype) -> None:
@@ -689,102 +509,6 @@ def _check_checkpoint_space(partial: Path, plan: Plan, samples: list[torch.Tenso
     if need > free:
         raise QuantizeError(f"the layer checkpoints need {need / 2**30:.1f} GiB in {partial} but "
                             f"{free / 2**30:.1f} GiB is free; free space and rerun")
-
-
-def _parent(smooth: str, balance: list[str], modules: dict[str, nn.Module]) -> str | None:
-    """Where AWQ measures its loss: the attention or MLP block holding every balance layer of a norm mapping
-    (as llm-compressor does), else at the balance layers themselves (up -> down, v -> o)."""
-    if isinstance(modules[smooth], nn.Linear):
-        return None
-    for parent in ("self_attn", "mlp"):
-        if all(b.startswith(parent + ".") for b in balance):
-            return parent
-    return None
-
-
-def _swapped_loss(run: Callable[[], list[torch.Tensor]], quantized: list[nn.Module], group_size: int, symmetric: bool):
-    """Loss over scales: squared error of `run()` with each quantized module computing Q(W * s) / s."""
-    refs = [r.float() for r in run()]
-
-    def loss(s: torch.Tensor) -> float:
-        originals = [m.weight.data for m in quantized]
-        try:
-            for m, w in zip(quantized, originals, strict=True):
-                m.weight.data = awq.scaled_fake_quant(w, s, group_size, symmetric)
-            outs = run()
-        finally:
-            for m, w in zip(quantized, originals, strict=True):
-                m.weight.data = w
-        err = sum(float((o.float() - r).pow(2).sum()) for o, r in zip(outs, refs, strict=True))
-        return err / max(sum(r.numel() for r in refs), 1)
-
-    return loss
-
-
-def _module_loss(module: nn.Module, quantized: list[nn.Module], inputs: list[torch.Tensor], group_size: int,
-                 symmetric: bool):
-    def run() -> list[torch.Tensor]:
-        with torch.no_grad():
-            return [module(x) for x in inputs]
-
-    return _swapped_loss(run, quantized, group_size, symmetric)
-
-
-def _receive(t: torch.Tensor) -> torch.Tensor:
-    torch.distributed.broadcast(t.view(torch.uint8) if t.dtype.itemsize > 1 and t.dtype.is_floating_point else t, src=0)
-    return t
-
-
-def _broadcast_moe_inputs(inputs: "ActivationStore", routes: list[torch.Tensor]) -> None:
-    """Rank 0 sends every sample's MoE input and routing to the other ranks (bytes, so any dtype crosses)."""
-    for s in range(len(inputs)):
-        x = inputs[s].contiguous()
-        torch.distributed.broadcast(x.view(torch.uint8), src=0)
-        torch.distributed.broadcast(routes[s].to(x.device).contiguous(), src=0)
-
-
-def _broadcast_result(result: tuple | None, shape: torch.Size, scheme, owner: int, dtype: torch.dtype,
-                      device: torch.device) -> tuple:
-    """(codes, scale, zero_point, fallback) from the rank that computed it to every rank."""
-    out_f, in_f = shape
-    n_groups = in_f // scheme.group_size
-    if result is None:
-        codes = torch.empty(out_f, in_f, dtype=torch.int8, device=device)
-        scale = torch.empty(out_f, n_groups, dtype=dtype, device=device)
-        zp = None if scheme.symmetric else torch.empty(out_f, n_groups, dtype=torch.int8, device=device)
-        flag = torch.zeros(1, dtype=torch.int8, device=device)
-    else:
-        codes, scale, zp, fallback = result
-        flag = torch.tensor([int(fallback)], dtype=torch.int8, device=device)
-    for t in (codes, scale.view(torch.uint8) if scale.dtype.itemsize > 1 else scale, zp, flag):
-        if t is not None:
-            torch.distributed.broadcast(t.contiguous(), src=owner)
-    return codes, scale, zp, bool(flag.item())
-
-
-def _expert_index(name: str) -> int | None:
-    m = re.search(r"experts\.(\d+)\.", name)
-    return int(m[1]) if m else None
-
-
-def _dtype(name: str) -> torch.dtype:
-    from quantize.safetensors_file import DTYPES
-
-    return DTYPES[name]
-
-
-@torch.no_grad()
-def _apply_scales(smooth: nn.Module, balance: list[nn.Module], s: torch.Tensor) -> None:
-    """smooth's output / s, every balance layer's input columns * s: the float model is unchanged."""
-    w = smooth.weight
-    if w.ndim == 1:
-        w.copy_((w.float() / s).to(w.dtype))
-    else:
-        w[-s.numel():].copy_((w[-s.numel():].float() / s.view(-1, 1)).to(w.dtype))
-    if getattr(smooth, "bias", None) is not None:
-        smooth.bias[-s.numel():].copy_((smooth.bias[-s.numel():].float() / s).to(smooth.bias.dtype))
-    for b in balance:
-        b.weight.copy_((b.weight.float() * s.view(1, -1)).to(b.weight.dtype))
 
 
 class _StopForward(Exception):
@@ -856,57 +580,6 @@ class _Hessians:
         self._seen.clear()
 
 
-class _AWQRecorder:
-    """What AWQ needs of one calibration pass: mean |x| per channel of every mapping's input over all tokens,
-    and the inputs themselves at a fixed, evenly spread subset of token positions (the grid search's data)."""
-
-    def __init__(self, max_rows: int, n_samples: int):
-        self.max_rows, self.n_samples = max_rows, n_samples
-        self.sums: dict[str, torch.Tensor] = {}
-        self.counts: dict[str, int] = defaultdict(int)
-        self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
-        self.routes: list[torch.Tensor] = []
-        self.attention_inputs: list[torch.Tensor] = []  # whole batches: attention needs whole sequences
-
-    def _keep(self, name: str, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1])
-        a = x.abs().sum(0, dtype=torch.float64)
-        self.sums[name] = self.sums[name] + a if name in self.sums else a
-        self.counts[name] += x.shape[0]
-        per_sample = max(1, self.max_rows // self.n_samples)
-        stride = max(1, x.shape[0] // per_sample)
-        self.rows[name].append(x[::stride][:per_sample].to("cpu", copy=True))  # the compute dtype, as the layer sees it
-
-    def hook(self, name: str, _module, _args, output) -> None:
-        out = output[0] if isinstance(output, tuple) else output
-        if name == "input_layernorm":
-            self.attention_inputs.append(out)
-        self._keep(name, out)
-
-    def pre_hook(self, name: str, _module, args) -> None:
-        self._keep(name, args[0])
-
-    def record_routes(self, x: torch.Tensor, top_k_index: torch.Tensor) -> None:
-        per_sample = max(1, self.max_rows // self.n_samples)
-        stride = max(1, x.shape[0] // per_sample)
-        self.routes.append(top_k_index[::stride][:per_sample].to("cpu"))
-
-    def stats(self, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        if not self.counts.get(name):
-            return None, None
-        return (self.sums[name] / self.counts[name]).float(), torch.cat(self.rows[name])
-
-    def routed_rows(self, expert: int) -> torch.Tensor:
-        return (torch.cat(self.routes) == expert).any(dim=-1)
-
-
-def _takes_topk(module: nn.Module) -> bool:
-    """Whether the module is one of GLM-5's DSA blocks, which pass their indexer's top-k on."""
-    import inspect
-
-    return "prev_topk_indices" in inspect.signature(module.forward).parameters
-
-
 class Calibrated:
     """The `calibrated` hook of stream.run: builds the LayerwiseQuantizer once the destination is ready.
 
@@ -939,7 +612,7 @@ class Calibrated:
                                   [s[0].tolist() for s in samples], self.devices, offload, plan.ckpt.allow_nonfinite,
                                   start_layer=resume.next_layer if resume else 0,
                                   compute_dtype=str(self.compute).removeprefix("torch."))
-            self._ranks = distributed.spawn(job)
+            self._ranks = distributed.spawn(job, run_rank)
         self.quantizer = LayerwiseQuantizer(plan, samples, device, offload, on_layer=self.on_layer,
                                             on_expert=self.on_expert, checkpoint=checkpoint, resume=resume,
                                             finished=finished, compute_dtype=self.compute)
@@ -952,3 +625,22 @@ class Calibrated:
             self.quantizer.close()
         if self._ranks is not None:
             distributed.finish(self._ranks, ok)
+
+
+def run_rank(job, device: torch.device) -> None:
+    """A rank > 0 (engine/distributed.py's Job): the same plan and samples as rank 0, then its share of every
+    MoE layer's routed experts. It embeds nothing and holds no hidden states."""
+    from quantize import recipe
+    from quantize.checkpoint import Checkpoint
+    from quantize.tensor_plan import build
+
+    plan = build(Checkpoint(Path(job.src), job.allow_nonfinite), recipe.from_dict(job.recipe, "rank job"),
+                 job.max_shard_size)
+    samples = [torch.tensor([ids], dtype=torch.long) for ids in job.samples]
+    compute_dtype = None if job.compute_dtype == "auto" else getattr(torch, job.compute_dtype)
+    q = LayerwiseQuantizer(plan, samples, device, job.offload, compute_dtype=compute_dtype, worker=True)
+    q.next_layer = job.start_layer
+    try:
+        q.run_worker()
+    finally:
+        q.close()

@@ -1,0 +1,220 @@
+"""AWQ (Lin et al., 2023, arXiv:2306.00978) of one decoder layer in the layerwise engine: record what each
+smoothing mapping's balance layers see, search per-channel scales against the loss at the block's output
+(quant/awq.py), fold them into the norm (or the Linear) before, then RTN.
+
+`q` is the engine's LayerwiseQuantizer: its passes (`_run`), its layer inputs and its results.
+"""
+
+import re
+from collections import defaultdict
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+
+from quantize.engine.experts import UnfusedExperts
+from quantize.quant import awq
+from quantize.tensor_plan import Entry
+
+
+def _mappings(q, modules: dict[str, nn.Module], targets: dict[str, Entry]) -> list[tuple[str, list[str]]]:
+    """(smooth, balance) pairs present in this layer whose balance layers include something quantized."""
+    pairs = []
+    for smooth, patterns in q.model.arch.awq_norms:
+        if smooth in modules:
+            balance = [n for n in modules if any(re.fullmatch(p, n) for p in patterns)
+                       and getattr(modules[n], "weight", None) is not None]
+            pairs.append((smooth, balance))
+    for n, mod in modules.items():
+        if n.endswith("up_proj") and (down := n[: -len("up_proj")] + "down_proj") in modules:
+            pairs.append((n, [down]))
+        if n.endswith("self_attn.v_proj") and (o := n[: -len("v_proj")] + "o_proj") in modules:
+            if mod.out_features == modules[o].in_features:
+                pairs.append((n, [o]))
+    return [(sm, bal) for sm, bal in pairs if bal and any(b in targets for b in bal)]
+
+def _attention_loss(q, layer: nn.Module, quantized: list[nn.Module], inputs: list[torch.Tensor]):
+    """AWQ loss at the attention block's output, over whole calibration batches."""
+    topk = takes_topk(layer.self_attn)
+
+    def run() -> list[torch.Tensor]:
+        outs = []
+        with torch.no_grad():
+            for b, x in enumerate(inputs):
+                pos = q.positions[b]
+                mask = q._mask(x, pos)
+                if isinstance(mask, dict):
+                    mask = next(iter(mask.values()))
+                kwargs = {"prev_topk_indices": q.carry[b]} if topk else {}
+                y = layer.self_attn(hidden_states=x, attention_mask=mask, position_ids=pos,
+                                    position_embeddings=q.rotary(x, pos), **kwargs)
+                outs.append(y[0] if isinstance(y, tuple) else y)
+        return outs
+
+    return _swapped_loss(run, quantized, q.recipe.scheme.group_size, q.recipe.scheme.symmetric)
+
+def awq_layer(q, layer: nn.Module, i: int, targets: dict[str, Entry], report) -> None:
+    """Record the inputs each mapping's balance layers see, search and apply the scales, then RTN."""
+    modules = dict(layer.named_modules())
+    mappings = _mappings(q, modules, targets)
+    experts = next((mod for mod in modules.values() if isinstance(mod, UnfusedExperts)), None)
+    rec = _AWQRecorder(q.awq_rows, len(q.hidden))
+    hooks = []
+    for smooth, balance in mappings:
+        if isinstance(modules[smooth], nn.Linear):  # up -> down, v -> o: record what the balance layer receives
+            hooks.append(modules[balance[0]].register_forward_pre_hook(partial(rec.pre_hook, smooth)))
+        else:
+            hooks.append(modules[smooth].register_forward_hook(partial(rec.hook, smooth)))
+    if experts is not None:
+        experts.record = rec.record_routes
+    q._run(layer, i, advance=False)
+    for h in hooks:
+        h.remove()
+    if experts is not None:
+        experts.record = None
+
+    s, g = q.recipe.scheme, q.recipe.scheme.group_size
+    modified: set[str] = set()
+    for smooth, balance in mappings:
+        x_mean, X = rec.stats(smooth)
+        if X is None:
+            continue
+        quantized = [b for b in balance if b in targets]
+        parent = _parent(smooth, balance, modules)
+        if parent == "self_attn":
+            loss = _attention_loss(q, layer, [modules[b] for b in quantized], rec.attention_inputs)
+        elif parent == "mlp":
+            loss = _module_loss(layer.mlp, [modules[b] for b in quantized], [X.to(q.device, q.compute)[None]], g,
+                                s.symmetric)
+        else:
+            loss = awq.linear_loss([(modules[b].weight.data, X.to(q.device)) for b in quantized], g, s.symmetric)
+        scales, ratio, initial, best = awq.search(x_mean.to(q.device), [modules[b].weight.data for b in quantized],
+                                                 loss, g, q.recipe.awq.n_grid)
+        q.stats.awq.append({"layer": i, "smooth": smooth, "ratio": ratio, "loss_identity": initial,
+                               "loss_best": best})
+        _apply_scales(modules[smooth], [modules[b] for b in balance], scales.to(q.device))
+        modified.update([smooth, *balance])
+        if smooth == "input_layernorm":  # later attention losses must see the rescaled norm's output
+            rec.attention_inputs = [(x.float() / scales.to(x.device)).to(x.dtype) for x in rec.attention_inputs]
+    rec.attention_inputs.clear()
+    for m, e in targets.items():
+        q._quantize_module(modules[m], e, report)
+    prefix = f"{q.model.prefix}model.layers.{i}."
+    for m in sorted(modified - set(targets)):
+        for leaf in ("weight", "bias"):
+            name = f"{prefix}{m}.{leaf}"
+            t = getattr(modules[m], leaf, None)
+            if t is None or name not in q.entries or name in q.written:
+                continue
+            q.results[name] = [t.detach().to("cpu", _dtype(q.entries[name].outputs[0].dtype))]
+
+
+def _parent(smooth: str, balance: list[str], modules: dict[str, nn.Module]) -> str | None:
+    """Where AWQ measures its loss: the attention or MLP block holding every balance layer of a norm mapping
+    (as llm-compressor does), else at the balance layers themselves (up -> down, v -> o)."""
+    if isinstance(modules[smooth], nn.Linear):
+        return None
+    for parent in ("self_attn", "mlp"):
+        if all(b.startswith(parent + ".") for b in balance):
+            return parent
+    return None
+
+
+def _swapped_loss(run: Callable[[], list[torch.Tensor]], quantized: list[nn.Module], group_size: int, symmetric: bool):
+    """Loss over scales: squared error of `run()` with each quantized module computing Q(W * s) / s."""
+    refs = [r.float() for r in run()]
+
+    def loss(s: torch.Tensor) -> float:
+        originals = [m.weight.data for m in quantized]
+        try:
+            for m, w in zip(quantized, originals, strict=True):
+                m.weight.data = awq.scaled_fake_quant(w, s, group_size, symmetric)
+            outs = run()
+        finally:
+            for m, w in zip(quantized, originals, strict=True):
+                m.weight.data = w
+        err = sum(float((o.float() - r).pow(2).sum()) for o, r in zip(outs, refs, strict=True))
+        return err / max(sum(r.numel() for r in refs), 1)
+
+    return loss
+
+
+def _module_loss(module: nn.Module, quantized: list[nn.Module], inputs: list[torch.Tensor], group_size: int,
+                 symmetric: bool):
+    def run() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [module(x) for x in inputs]
+
+    return _swapped_loss(run, quantized, group_size, symmetric)
+
+
+def _dtype(name: str) -> torch.dtype:
+    from quantize.safetensors_file import DTYPES
+
+    return DTYPES[name]
+
+
+@torch.no_grad()
+def _apply_scales(smooth: nn.Module, balance: list[nn.Module], s: torch.Tensor) -> None:
+    """smooth's output / s, every balance layer's input columns * s: the float model is unchanged."""
+    w = smooth.weight
+    if w.ndim == 1:
+        w.copy_((w.float() / s).to(w.dtype))
+    else:
+        w[-s.numel():].copy_((w[-s.numel():].float() / s.view(-1, 1)).to(w.dtype))
+    if getattr(smooth, "bias", None) is not None:
+        smooth.bias[-s.numel():].copy_((smooth.bias[-s.numel():].float() / s).to(smooth.bias.dtype))
+    for b in balance:
+        b.weight.copy_((b.weight.float() * s.view(1, -1)).to(b.weight.dtype))
+
+
+class _AWQRecorder:
+    """What AWQ needs of one calibration pass: mean |x| per channel of every mapping's input over all tokens,
+    and the inputs themselves at a fixed, evenly spread subset of token positions (the grid search's data)."""
+
+    def __init__(self, max_rows: int, n_samples: int):
+        self.max_rows, self.n_samples = max_rows, n_samples
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = defaultdict(int)
+        self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.routes: list[torch.Tensor] = []
+        self.attention_inputs: list[torch.Tensor] = []  # whole batches: attention needs whole sequences
+
+    def _keep(self, name: str, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1])
+        a = x.abs().sum(0, dtype=torch.float64)
+        self.sums[name] = self.sums[name] + a if name in self.sums else a
+        self.counts[name] += x.shape[0]
+        per_sample = max(1, self.max_rows // self.n_samples)
+        stride = max(1, x.shape[0] // per_sample)
+        self.rows[name].append(x[::stride][:per_sample].to("cpu", copy=True))  # the compute dtype, as the layer sees it
+
+    def hook(self, name: str, _module, _args, output) -> None:
+        out = output[0] if isinstance(output, tuple) else output
+        if name == "input_layernorm":
+            self.attention_inputs.append(out)
+        self._keep(name, out)
+
+    def pre_hook(self, name: str, _module, args) -> None:
+        self._keep(name, args[0])
+
+    def record_routes(self, x: torch.Tensor, top_k_index: torch.Tensor) -> None:
+        per_sample = max(1, self.max_rows // self.n_samples)
+        stride = max(1, x.shape[0] // per_sample)
+        self.routes.append(top_k_index[::stride][:per_sample].to("cpu"))
+
+    def stats(self, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not self.counts.get(name):
+            return None, None
+        return (self.sums[name] / self.counts[name]).float(), torch.cat(self.rows[name])
+
+    def routed_rows(self, expert: int) -> torch.Tensor:
+        return (torch.cat(self.routes) == expert).any(dim=-1)
+
+
+def takes_topk(module: nn.Module) -> bool:
+    """Whether the module is one of GLM-5's DSA blocks, which pass their indexer's top-k on."""
+    import inspect
+
+    return "prev_topk_indices" in inspect.signature(module.forward).parameters

@@ -1,0 +1,440 @@
+"""A MoE layer's routed experts under GPTQ: ownership, routing, streamed chunks, batched solves, one exchange.
+
+The routed experts are never built as modules, and never whole in memory. In the layer they are `Deferred`:
+its forward records what the router sends (tokens, top-k experts and weights) and returns zeros. That is exact
+because the routed output is only ever added (to the shared experts' output, then to the residual), so the
+engine adds it afterwards, from `LayerExperts.routed_output`.
+
+Per layer, on every rank (the same code with one rank):
+- the calibration pass's MoE inputs are one [tokens, hidden] buffer, sorted by expert once (`route`: one stable
+  argsort), so each expert reads a contiguous run of token indices;
+- the experts are split into REDUCTION_GROUPS fixed groups; a rank owns whole groups (`owned_groups`), decodes
+  only their experts, chunk by chunk of bounded bytes, from the source, builds their Hessians from their own
+  tokens and solves each chunk as one stack (`gptq.gptq_quantize_batched`), with no collective per expert;
+- after the quantized layer's pass, each group's routed output is summed on its owner, expert by expert in
+  order, and rank 0 adds the groups in order: the same sums in the same order for any number of ranks, so
+  the bytes never depend on it;
+- the codes and scales go to rank 0 in one message per rank, and rank 0 writes.
+"""
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import psutil
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from quantize.engine.activations import TokenBuffer, release_freed_memory
+from quantize.quant import gptq, pack, rtn
+from quantize.tensor_plan import Entry
+
+# Fixed, so that the order of the routed output's sums does not depend on the number of ranks (at most this
+# many ranks share a layer's experts).
+REDUCTION_GROUPS = 16
+LEAVES = ("gate_proj", "up_proj", "down_proj")
+MAX_CHUNK = 32  # experts solved as one stack at most: beyond this a stack is no faster, only bigger
+HOST_CHUNK_BYTES = 1 << 30  # on CPU, a chunk's working memory at most: the rest of the host holds activations
+HESSIAN_ROWS = 8192  # an expert's tokens go into its Hessians this many rows at a time (fixed: same sums always)
+
+
+class UnfusedExperts(nn.ModuleList):
+    """transformers' fused `experts` (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as per-expert Linears named
+    as in the checkpoint (`experts.E.{gate,up,down}_proj`), with the same forward, recording what it is sent."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, act_fn, dtype: torch.dtype):
+        super().__init__()
+        for _ in range(num_experts):
+            e = nn.Module()
+            e.gate_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype)
+            e.up_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype)
+            e.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype)
+            self.append(e)
+        self.__dict__["act_fn"] = act_fn  # not a child: the children are exactly the experts, as in the checkpoint
+        self.record: Callable | None = None
+
+    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        m = self[e]
+        return m.down_proj(self.act_fn(m.gate_proj(x)) * m.up_proj(x))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.record is not None:
+            self.record(hidden_states, top_k_index)
+        out = torch.zeros_like(hidden_states)
+        for e in torch.unique(top_k_index).tolist():
+            token_idx, top_k_pos = torch.where(top_k_index == e)
+            y = self.expert_forward(e, hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+
+class Deferred(nn.Module):
+    """Stand-in for a layer's routed experts: no weights; records what it is sent and returns zeros."""
+
+    def __init__(self, act_fn):
+        super().__init__()
+        self.__dict__["act_fn"] = act_fn  # not a child module
+        self.record: Callable | None = None
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        if self.record is not None:
+            self.record(hidden_states, top_k_index, top_k_weights)
+        return torch.zeros_like(hidden_states)
+
+
+@dataclass
+class Routing:
+    """Every (token, slot) of a layer's MoE input sorted by expert: expert e's are order[offsets[e]:offsets[e+1]],
+    as flat positions token * top_k + slot, tokens in increasing order."""
+
+    order: torch.Tensor
+    offsets: list[int]
+    top_k: int
+
+    @property
+    def counts(self) -> list[int]:
+        return [b - a for a, b in zip(self.offsets, self.offsets[1:], strict=False)]
+
+    def positions(self, e: int) -> torch.Tensor:
+        return self.order[self.offsets[e]:self.offsets[e + 1]]
+
+    def tokens(self, e: int) -> torch.Tensor:
+        return self.positions(e) // self.top_k
+
+
+def route(top_k_index: torch.Tensor, n_experts: int) -> Routing:
+    flat = top_k_index.reshape(-1).to("cpu")
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts)
+    offsets = [0, *torch.cumsum(counts, 0).tolist()]
+    return Routing(order, offsets, top_k_index.shape[-1])
+
+
+def group_experts(g: int, n_experts: int) -> range:
+    return range(n_experts * g // REDUCTION_GROUPS, n_experts * (g + 1) // REDUCTION_GROUPS)
+
+
+def owned_groups(rank: int, world: int) -> range:
+    return range(REDUCTION_GROUPS * rank // world, REDUCTION_GROUPS * (rank + 1) // world)
+
+
+def owner_of_group(g: int, world: int) -> int:
+    return next(r for r in range(world) if g in owned_groups(r, world))
+
+
+@dataclass
+class Setting:
+    """What the expert work needs of the run, the same on every rank."""
+
+    ckpt: object  # checkpoint.Checkpoint: decodes expert weights from the source
+    device: torch.device
+    compute: torch.dtype  # forwards and activations
+    dtype: torch.dtype  # the model's: scales are computed from the weight in it
+    scheme: object  # recipe.Scheme
+    gptq: object  # recipe.GPTQ
+    calibration: object  # recipe.Calibration
+    world: int = 1
+    rank: int = 0
+
+
+@dataclass
+class Result:
+    packed: torch.Tensor  # int32, pack-quantized
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None  # packed along rows, as compressed-tensors stores it
+    fallback: bool  # Hessian not positive definite: RTN
+    error: float  # relative Frobenius error of the dequantized weight
+
+
+class LayerExperts:
+    """One MoE layer's routed experts on one rank.
+
+    `targets[e][leaf]`: the plan entry of each quantized expert Linear; `prefix`: the tensor-name prefix of
+    expert e's weights (`{prefix}{e}.{leaf}.weight`)."""
+
+    def __init__(self, s: Setting, prefix: str, n_experts: int, targets: dict[int, dict[str, Entry]], tokens: int,
+                 hidden: int, top_k: int, act_fn, store: Callable[[int, int, torch.dtype], TokenBuffer],
+                 on_expert: Callable[[int, int], None] | None = None):
+        self.s, self.prefix, self.n, self.targets = s, prefix, n_experts, targets
+        self.tokens, self.hidden, self.top_k, self.act_fn = tokens, hidden, top_k, act_fn
+        self.store, self.on_expert = store, on_expert
+        self.groups = owned_groups(s.rank, s.world)
+        self.owned = [e for g in self.groups for e in group_experts(g, n_experts)]
+        self.x_cal = store(tokens, hidden, s.compute)
+        self.idx_cal = torch.empty(tokens, top_k, dtype=torch.int64)
+        self.x_adv = self.idx_adv = self.w_adv = None
+        self.results: dict[tuple[int, str], Result] = {}
+        self.counts: list[int] = []
+        self._filled = 0
+
+    # -- what the layer's passes record (rank 0) -----------------------------------------------------------
+    def record_calibration(self, x: torch.Tensor, top_k_index: torch.Tensor, _weights: torch.Tensor) -> None:
+        n = x.shape[0]
+        self.x_cal.write(self._filled, x)
+        self.idx_cal[self._filled:self._filled + n] = top_k_index.to("cpu")
+        self._filled += n
+
+    def start_advance(self) -> None:
+        self.x_adv = self.store(self.tokens, self.hidden, self.s.compute)
+        self.idx_adv = torch.empty(self.tokens, self.top_k, dtype=torch.int64)
+        self.w_adv = torch.empty(self.tokens, self.top_k, dtype=torch.float32)
+        self._filled = 0
+
+    def record_advance(self, x: torch.Tensor, top_k_index: torch.Tensor, weights: torch.Tensor) -> None:
+        n = x.shape[0]
+        self.x_adv.write(self._filled, x)
+        self.idx_adv[self._filled:self._filled + n] = top_k_index.to("cpu")
+        self.w_adv[self._filled:self._filled + n] = weights.to("cpu", torch.float32)
+        self._filled += n
+
+    # -- the collectives: one broadcast per pass, one message per rank and group ---------------------------
+    def share_calibration(self) -> None:
+        if self.s.world > 1:
+            _broadcast(self.x_cal.t, self.s.device)
+            _broadcast(self.idx_cal, self.s.device)
+
+    def share_advance(self) -> None:
+        """Rank 0 sends without waiting (the others receive once their own solve is done, and rank 0 goes on
+        to solve its experts meanwhile); the buffers are only read from here on."""
+        if self.s.world > 1:
+            if self.s.rank != 0:
+                self.start_advance()
+            self._sending = [_broadcast(t, self.s.device, async_op=self.s.rank == 0)
+                             for t in (self.x_adv.t, self.idx_adv, self.w_adv)]
+
+    # -- the solve -----------------------------------------------------------------------------------------
+    def solve(self) -> None:
+        """GPTQ (or RTN for experts with too few tokens) of this rank's experts, a chunk at a time."""
+        routing = route(self.idx_cal, self.n)
+        self.counts = routing.counts
+        work = [e for e in self.owned if self.targets.get(e)]
+        all_rows = None
+        if self.s.calibration.calibrate_all_experts:
+            all_rows = torch.arange(self.tokens)
+        for chunk in self._chunks(work):
+            weights = {e: self._source(e) for e in chunk}
+            calibrated = [e for e in chunk if not self.rtn_only(e)]
+            h_in, h_down = {}, {}
+            for e in calibrated:
+                h_in[e], h_down[e] = self._hessians(weights[e], routing.tokens(e) if all_rows is None else all_rows)
+            for e in chunk:
+                if e not in h_in:
+                    for leaf in self.targets[e]:
+                        w = weights[e][leaf]
+                        scale, zp = rtn.group_qparams(w, self.s.scheme.group_size, self.s.scheme.num_bits,
+                                                      self.s.scheme.symmetric)
+                        self._keep(e, leaf, w, rtn.quantize_groups(w, scale, zp, self.s.scheme.num_bits), scale, zp,
+                                   False)
+            for group, hs in ((["gate_proj", "up_proj"], h_in), (["down_proj"], h_down)):
+                stacks: dict[tuple, list[int]] = {}  # experts whose targeted Linears of the group are the same
+                for e in calibrated:
+                    leaves = tuple(x for x in group if x in self.targets[e])
+                    if leaves:
+                        stacks.setdefault(leaves, []).append(e)
+                for leaves, members in stacks.items():
+                    self._solve_stack(list(leaves), members, weights, hs)
+            del weights, h_in, h_down
+            release_freed_memory()
+            if self.on_expert is not None and self.s.rank == 0:
+                self.on_expert(chunk[-1], self.n)
+        self.x_cal.close()
+
+    def rtn_only(self, e: int) -> bool:
+        cal = self.s.calibration
+        return self.counts[e] < max(cal.min_expert_tokens, 1) and not cal.calibrate_all_experts
+
+    def _source(self, e: int) -> dict[str, torch.Tensor]:
+        s = self.s
+        return {leaf: s.ckpt.decode(s.ckpt.tensors[f"{self.prefix}{e}.{leaf}.weight"], s.device).to(s.dtype)
+                for leaf in LEAVES}
+
+    def _hessians(self, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.s.compute
+        gate, up = w["gate_proj"].to(c), w["up_proj"].to(c)
+        H_in = torch.zeros(gate.shape[1], gate.shape[1], device=self.s.device)
+        H_down = torch.zeros(gate.shape[0], gate.shape[0], device=self.s.device)
+        with torch.no_grad():
+            for r in range(0, tokens.numel(), HESSIAN_ROWS):
+                x = self.x_cal.rows(tokens[r:r + HESSIAN_ROWS])
+                gptq.add_batch(H_in, x)
+                gptq.add_batch(H_down, self.act_fn(F.linear(x, gate)) * F.linear(x, up))
+        return H_in, H_down
+
+    def _solve_stack(self, group: list[str], members: list[int], weights, hessians) -> None:
+        """GPTQ of the same Linears of several experts as one stack; Linears fed the same input (gate and up)
+        are one matrix (their rows are independent given H). A Hessian shared by two stacks is cloned."""
+        sch, p = self.s.scheme, self.s.gptq
+        leaves = group
+        W = torch.stack([torch.cat([weights[e][leaf] for leaf in leaves]) for e in members])
+        E, out_f, in_f = W.shape
+        scale, zp = rtn.group_qparams(W.reshape(E * out_f, in_f), sch.group_size, sch.num_bits, sch.symmetric)
+        scale = scale.reshape(E, out_f, -1)
+        zp = None if zp is None else zp.reshape(E, out_f, -1)
+        H = torch.stack([hessians.pop(e) for e in members])  # gate/up and down use different Hessians
+        codes, fallback = gptq.gptq_quantize_batched(W, H, scale, zp, sch.num_bits, p.block_size, p.dampening_frac,
+                                                     actorder=p.actorder == "static", consume=True)
+        del H
+        for k, e in enumerate(members):
+            row = 0
+            for leaf in leaves:
+                rows = slice(row, row + weights[e][leaf].shape[0])
+                row = rows.stop
+                self._keep(e, leaf, weights[e][leaf], codes[k, rows], scale[k, rows],
+                           None if zp is None else zp[k, rows], bool(fallback[k]))
+
+    def _keep(self, e: int, leaf: str, w: torch.Tensor, codes, scale, zp, fallback: bool) -> None:
+        wq = rtn.dequantize_groups(codes, scale, zp).to(w.dtype)
+        error = float((w.float() - wq.float()).norm() / w.float().norm().clamp(min=1e-12))
+        self.results[(e, leaf)] = Result(pack.pack_int4(codes.contiguous()).to("cpu"), scale.to("cpu", copy=True),
+                                         None if zp is None else pack.pack_int4(zp.contiguous(), packed_dim=0).to("cpu"),
+                                         fallback, error)
+
+    def _chunks(self, experts: list[int]) -> Iterator[list[int]]:
+        """Consecutive experts in chunks whose working memory fits the budget (the chunks never change the
+        bytes: each expert's solve is that of solving it alone)."""
+        if not experts:
+            return
+        w = self.s.ckpt.tensors[f"{self.prefix}{experts[0]}.gate_proj.weight"]
+        inter, hidden = w.shape
+        per_expert = (3 * inter * hidden * (self.s.dtype.itemsize + 12)
+                      + 3 * 4 * (hidden * hidden + inter * inter))  # weights and fp32 copies; Hessians, L, inverse
+        if self.s.device.type == "cuda":
+            budget = torch.cuda.mem_get_info(self.s.device)[0] // 4
+        else:
+            budget = min(psutil.virtual_memory().available // 4, HOST_CHUNK_BYTES)
+        size = max(1, min(MAX_CHUNK, budget // per_expert))
+        for i in range(0, len(experts), size):
+            yield experts[i:i + size]
+
+    # -- after the quantized layer's pass ------------------------------------------------------------------
+    def routed_output(self) -> torch.Tensor | None:
+        """The routed experts' share of every token's layer output, [tokens, hidden] on rank 0 (None on the
+        others, which send their groups' sums to it)."""
+        s = self.s
+        routing = route(self.idx_adv, self.n)
+        w_flat = self.w_adv.reshape(-1)
+        y = None
+        for g in range(REDUCTION_GROUPS):
+            experts = list(group_experts(g, self.n))
+            if g in self.groups:
+                part = torch.zeros(self.tokens, self.hidden, dtype=s.compute, device=s.device)
+                for e in experts:  # in order: the sum's order is fixed
+                    positions = routing.positions(e)
+                    if positions.numel() == 0:
+                        continue
+                    w = self._quantized(e)
+                    tokens = positions // routing.top_k
+                    x = self.x_adv.rows(tokens)
+                    out = F.linear(self.act_fn(F.linear(x, w["gate_proj"])) * F.linear(x, w["up_proj"]),
+                                   w["down_proj"])
+                    out = out * w_flat[positions].to(s.device)[:, None]  # float32 weights, as transformers does
+                    part.index_add_(0, tokens.to(s.device), out.to(s.compute))
+                if s.rank != 0:
+                    _send(part, 0)
+                    continue
+            elif s.rank == 0:
+                part = torch.empty(self.tokens, self.hidden, dtype=s.compute, device=s.device)
+                _recv(part, owner_of_group(g, s.world))
+            else:
+                continue
+            y = part if y is None else y.add_(part)
+        self.x_adv.close()
+        return y
+
+    def _quantized(self, e: int) -> dict[str, torch.Tensor]:
+        """Expert e's Linears as the quantized model computes them (dequantized codes), in the compute dtype."""
+        out = {}
+        source = None
+        for leaf in LEAVES:
+            r = self.results.get((e, leaf))
+            if r is None:
+                source = source or self._source(e)
+                out[leaf] = source[leaf].to(self.s.compute)
+                continue
+            codes = pack.unpack_int4(r.packed)[:, :r.scale.shape[1] * self.s.scheme.group_size]
+            zp = None if r.zero_point is None else pack.unpack_int4(r.zero_point, packed_dim=0)[:codes.shape[0]]
+            w = rtn.dequantize_groups(codes.to(self.s.device), r.scale.to(self.s.device),
+                                      None if zp is None else zp.to(self.s.device))
+            out[leaf] = w.to(self.s.dtype).to(self.s.compute)
+        return out
+
+    # -- the exchange of results ---------------------------------------------------------------------------
+    def collect(self) -> dict[tuple[int, str], Result]:
+        """Rank 0: every expert's results, its own and one message from each other rank. Others: send theirs."""
+        s = self.s
+        if s.world == 1:
+            return self.results
+        for pending in getattr(self, "_sending", []):
+            if pending is not None:
+                pending[0].wait()
+        self._sending = []
+        if s.rank != 0:
+            keys = self._keys(self.owned)
+            meta = torch.tensor([[float(self.results[k].fallback), self.results[k].error] for k in keys],
+                                dtype=torch.float64).reshape(-1, 2)
+            _send(meta, 0)
+            for k in keys:
+                r = self.results[k]
+                for t in (r.packed, r.scale, r.zero_point):
+                    if t is not None:
+                        _send(t, 0)
+            return {}
+        results = dict(self.results)
+        for rank in range(1, s.world):
+            owned = [e for g in owned_groups(rank, s.world) for e in group_experts(g, self.n)]
+            keys = self._keys(owned)
+            meta = torch.empty(len(keys), 2, dtype=torch.float64)
+            _recv(meta, rank)
+            for (e, leaf), (fallback, error) in zip(keys, meta.tolist(), strict=True):
+                out_f, in_f = self.targets[e][leaf].tensor.shape
+                n_groups = in_f // s.scheme.group_size
+                packed = _recv(torch.empty(out_f, math.ceil(in_f / 8), dtype=torch.int32), rank)
+                scale = _recv(torch.empty(out_f, n_groups, dtype=s.dtype), rank)
+                zp = None
+                if not s.scheme.symmetric:
+                    zp = _recv(torch.empty(math.ceil(out_f / 8), n_groups, dtype=torch.int32), rank)
+                results[(e, leaf)] = Result(packed, scale, zp, bool(fallback), error)
+        return results
+
+    def _keys(self, experts: list[int]) -> list[tuple[int, str]]:
+        return [(e, leaf) for e in experts for leaf in LEAVES if leaf in self.targets.get(e, {})]
+
+
+# Point to point and broadcast as bytes, so that any dtype crosses (gloo has no float8 or bfloat16 sums, and a
+# byte copy is exact); NCCL needs the tensor on the rank's GPU.
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous()
+    return t.view(torch.uint8) if t.is_floating_point() and t.dtype.itemsize > 1 else t
+
+
+def _on_backend(t: torch.Tensor) -> torch.Tensor:
+    if dist.get_backend() == "nccl" and t.device.type != "cuda":
+        return t.to(torch.device("cuda", torch.cuda.current_device()))
+    return t
+
+
+def _send(t: torch.Tensor, dst: int) -> None:
+    dist.send(_on_backend(_wire(t)), dst)
+
+
+def _recv(t: torch.Tensor, src: int) -> torch.Tensor:
+    wire = _wire(t)  # a view of t: t is contiguous
+    buf = _on_backend(wire)
+    dist.recv(buf, src)
+    if buf is not wire:
+        wire.copy_(buf)
+    return t
+
+
+def _broadcast(t: torch.Tensor, device: torch.device, async_op: bool = False):
+    """From rank 0 to all; with async_op (rank 0 only) returns the pending work and the buffer it reads."""
+    wire = _wire(t)
+    buf = _on_backend(wire)
+    work = dist.broadcast(buf, src=0, async_op=async_op)
+    if async_op:
+        return work, buf
+    if buf is not wire:
+        wire.copy_(buf)
+    return None
