@@ -6,6 +6,7 @@
     python scripts/bench.py depth [--work DIR] [--json FILE]
     python scripts/bench.py scale [--layers 12 --hidden 2048 --inter 5632] [--work DIR] [--json FILE]
     python scripts/bench.py moe-layer [--experts 384 --hidden 7168 --moe-inter 2048] [--device cuda] [--json FILE]
+    python scripts/bench.py moe-ranks [--experts 128 --hidden 512 --moe-inter 512] [--old REV] [--json FILE]
 
 `gptq` / `awq`: SmolLM2-135M-Instruct (rebuilt by ../shared/scripts/build_smollm2.py) quantized W4A16 group 64
 symmetric by our RTN, our layerwise GPTQ (or AWQ) and llm-compressor's `oneshot` + GPTQModifier (or AWQModifier +
@@ -17,6 +18,13 @@ and of oneshot in their own processes.
 token ids, group 128: wall time and peak RSS where the model rather than the imports sets the reference's memory.
 
 `depth`: peak RSS of our GPTQ on synthetic Llama models of 4 and 16 layers (memory must not grow with depth).
+
+`moe-ranks`: GPTQ of a synthetic DeepSeek-V3-architecture checkpoint whose bytes are mostly routed experts
+(128 experts a layer, top-8, two MoE layers; the Kimi recipe, so only the routed experts are calibrated) with 1
+rank and with 2 gloo ranks (`--devices cpu,cpu`), and the same with the code of `--old` (a git revision, checked
+out beside in a worktree): wall time, peak RSS, the bytes of every output compared, and per MoE layer the
+routed-expert phase (old: its expert loop and the experts' forwards, timed by a wrapper; new: the `experts`
+and `routed_output_and_exchange` phases it reports).
 
 `rtn`: a synthetic Kimi-K2-style checkpoint in DeepSeek FP8 blocks (MLA attention, a dense first layer, routed
 and shared experts, router with float32 bias; random FP8 bytes, 4 shards) converted with the Kimi release
@@ -64,46 +72,54 @@ def random_fp8(shape: tuple[int, int], g: torch.Generator) -> tuple[torch.Tensor
 
 
 def synthetic_kimi(out: Path, size_gb: float | None = None, n_shards: int = 4, dims: Dims = Dims(),
-                   n_layers: int | None = None) -> Path:
-    """Write the checkpoint shard by shard (never the whole model in memory): a dense first layer, then MoE
-    layers (as many as make `size_gb`, or `n_layers` in all)."""
+                   n_layers: int | None = None, part_bytes: int | None = None) -> Path:
+    """Write the checkpoint shard by shard: a dense first layer, then MoE layers (as many as make `size_gb`, or
+    `n_layers` in all). With `part_bytes`, a shard is cut into files of about that size, so that not even one
+    layer is whole in memory (a real Kimi K2 MoE layer is 17 GB of FP8)."""
     H, E = dims.hidden, dims.experts
     if n_layers is None:
         n_layers = max(1, round(size_gb * 1e9 / (E * 3 * dims.moe_inter * H))) + 1
     g = torch.Generator().manual_seed(0)
     out.mkdir(parents=True, exist_ok=True)
 
-    def layer_tensors(i: int) -> dict[str, torch.Tensor]:
+    def layer_tensors(i: int):
         p = f"model.layers.{i}."
-        t: dict[str, torch.Tensor] = {}
 
         def fp8(name, shape):
-            t[p + name + ".weight"], t[p + name + ".weight_scale_inv"] = random_fp8(shape, g)
+            w, scale = random_fp8(shape, g)
+            return [(p + name + ".weight", w), (p + name + ".weight_scale_inv", scale)]
 
-        fp8("self_attn.q_a_proj", (1536, H))
-        fp8("self_attn.q_b_proj", (dims.heads * 192, 1536))
-        fp8("self_attn.kv_a_proj_with_mqa", (512 + 64, H))
-        fp8("self_attn.kv_b_proj", (dims.heads * 256, 512))
-        fp8("self_attn.o_proj", (H, dims.heads * 128))
+        yield from fp8("self_attn.q_a_proj", (1536, H))
+        yield from fp8("self_attn.q_b_proj", (dims.heads * 192, 1536))
+        yield from fp8("self_attn.kv_a_proj_with_mqa", (512 + 64, H))
+        yield from fp8("self_attn.kv_b_proj", (dims.heads * 256, 512))
+        yield from fp8("self_attn.o_proj", (H, dims.heads * 128))
         for n in ("input_layernorm", "post_attention_layernorm", "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm"):
             size = {"self_attn.q_a_layernorm": 1536, "self_attn.kv_a_layernorm": 512}.get(n, H)
-            t[p + n + ".weight"] = torch.ones(size, dtype=torch.bfloat16)
+            yield p + n + ".weight", torch.ones(size, dtype=torch.bfloat16)
         if i == 0:
             for n, shape in (("gate_proj", (dims.inter, H)), ("up_proj", (dims.inter, H)), ("down_proj", (H, dims.inter))):
-                fp8(f"mlp.{n}", shape)
-            return t
-        t[p + "mlp.gate.weight"] = (torch.randn(E, H, generator=g) * 0.02).to(torch.bfloat16)
-        t[p + "mlp.gate.e_score_correction_bias"] = torch.zeros(E)
+                yield from fp8(f"mlp.{n}", shape)
+            return
+        yield p + "mlp.gate.weight", (torch.randn(E, H, generator=g) * 0.02).to(torch.bfloat16)
+        yield p + "mlp.gate.e_score_correction_bias", torch.zeros(E)
         for kind in [f"experts.{e}" for e in range(E)] + ["shared_experts"]:
-            fp8(f"mlp.{kind}.gate_proj", (dims.moe_inter, H))
-            fp8(f"mlp.{kind}.up_proj", (dims.moe_inter, H))
-            fp8(f"mlp.{kind}.down_proj", (H, dims.moe_inter))
-        return t
+            yield from fp8(f"mlp.{kind}.gate_proj", (dims.moe_inter, H))
+            yield from fp8(f"mlp.{kind}.up_proj", (dims.moe_inter, H))
+            yield from fp8(f"mlp.{kind}.down_proj", (H, dims.moe_inter))
 
     n_shards = min(n_shards, n_layers)
-    files = [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]
     groups = [list(range(n_layers))[i::n_shards] for i in range(n_shards)]
-    weight_map, total = {}, 0
+    weight_map, total, parts = {}, 0, 0
+
+    def save(tensors: dict, s: int) -> None:
+        nonlocal total, parts
+        parts += 1
+        name = f"model-{s + 1:05d}-of-{n_shards:05d}.safetensors" if part_bytes is None else f"model-{parts:05d}.safetensors"
+        save_file(tensors, out / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+
     for s, layers in enumerate(groups):
         tensors: dict[str, torch.Tensor] = {}
         if s == 0:
@@ -111,11 +127,16 @@ def synthetic_kimi(out: Path, size_gb: float | None = None, n_shards: int = 4, d
         if s == n_shards - 1:
             tensors["lm_head.weight"] = (torch.randn(dims.vocab, H, generator=g) * 0.02).to(torch.bfloat16)
             tensors["model.norm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+        held = 0
         for i in layers:
-            tensors.update(layer_tensors(i))
-        save_file(tensors, out / files[s], metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, files[s]))
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
+            for name, t in layer_tensors(i):
+                tensors[name] = t
+                held += t.numel() * t.element_size()
+                if part_bytes is not None and held >= part_bytes:
+                    save(tensors, s)
+                    tensors, held = {}, 0
+        if tensors:
+            save(tensors, s)
         del tensors
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
     config = {
@@ -432,35 +453,171 @@ def bench_scale(args) -> dict:
 
 
 def bench_moe_layer(args) -> dict:
-    """GPTQ time of one Kimi-shaped MoE layer on `--device` (the GPU check), extrapolated to Kimi K2's 60."""
+    """GPTQ of one Kimi-shaped MoE layer on `--device` (the GPU check): seconds by phase, and Kimi K2's whole
+    model extrapolated (one dense layer and 60 MoE layers of 384 experts) on 1 and on 8 devices."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import make_fixture
 
-    work = Path(args.work)
+    work = Path(args.work).resolve()
     dims = Dims(hidden=args.hidden, moe_inter=args.moe_inter, inter=args.moe_inter, vocab=make_fixture.VOCAB,
                 heads=args.heads, experts=args.experts)
     src = work / f"moe-layer-{args.experts}x{args.hidden}x{args.moe_inter}"
     if not (src / "config.json").exists():
-        synthetic_kimi(src, dims=dims, n_layers=2, n_shards=2)
+        synthetic_kimi(src, dims=dims, n_layers=2, n_shards=2, part_bytes=2 << 30)
         make_fixture.build_tokenizer(src)
     out = work / "moe-layer-gptq"
     fresh(out)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2-w4a16.yaml"
+    devices = args.devices or args.device
     cmd = [sys.executable, "-m", "quantize", "convert", str(src), str(out), "--recipe", str(recipe), "--method", "gptq",
-           "--calib", str(calibration_text(work)), "--num-samples", str(args.num_samples), "--seq-len",
-           str(args.seq_len), "--device", args.device, "--json"]
+           "--calib", str(calibration_text(work).resolve()), "--num-samples", str(args.num_samples), "--seq-len",
+           str(args.seq_len), "--device", devices.split(",")[0], "--min-expert-tokens", str(args.min_expert_tokens),
+           "--json"]
+    if "," in devices:
+        cmd += ["--devices", devices]
     t = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode:
-        raise SystemExit(p.stderr[-3000:])
-    report = json.loads(p.stdout)
-    per_layer = report["calibration"]["seconds_per_layer"]
+    measured, report, _ = _convert_timed(cmd, Path(__file__).resolve().parents[1])
+    cal = report["calibration"]
+    per_layer, phases = cal["seconds_per_layer"], cal["seconds_per_phase"]
+    experts_bf16 = args.experts * 3 * args.hidden * args.moe_inter * 2
+    moe = per_layer[1] * 384 / args.experts  # the expert work scales with the expert count
+    # on 8 devices the routed experts split 8 ways; the forwards and dense work stay on rank 0
+    expert_part = sum(v for k, v in phases[1].items() if k in ("experts", "routed_output_and_exchange"))
+    moe_8 = (per_layer[1] - expert_part + expert_part / 8) * 384 / args.experts
+    shutil.rmtree(out, ignore_errors=True)
     return {
-        "device": args.device, "dims": dataclasses.asdict(dims), "num_samples": args.num_samples, "seq_len": args.seq_len,
-        "seconds_total": time.perf_counter() - t, "seconds_per_layer": per_layer,
-        "moe_layer_seconds": per_layer[1], "experts_calibrated": report["calibration"]["experts_calibrated"],
-        "kimi_k2_extrapolated_hours": (per_layer[0] + 60 * per_layer[1] * 384 / args.experts) / 3600,
+        "device": devices, "dims": dataclasses.asdict(dims), "num_samples": args.num_samples,
+        "seq_len": args.seq_len, "tokens": sum(cal["tokens_per_expert"].get("1", {}).values()) // 8
+        if cal["tokens_per_expert"] else None,
+        "seconds_total": time.perf_counter() - t, "peak_rss": measured["peak_rss"],
+        "moe_layer_experts_bytes_bf16": experts_bf16, "peak_rss_over_layer_experts": measured["peak_rss"] / experts_bf16,
+        "seconds_per_layer": per_layer, "seconds_per_phase": phases,
+        "moe_layer_seconds": per_layer[1], "experts_calibrated": cal["experts_calibrated"],
+        "fallbacks": len(cal["fallbacks"]),
+        "kimi_k2_extrapolated_hours_1_device": (per_layer[0] + 60 * moe) / 3600,
+        "kimi_k2_extrapolated_hours_8_devices": (per_layer[0] + 60 * moe_8) / 3600,
     }
+
+
+OLD_PHASES = r"""
+import sys, time
+import quantize.engine.layerwise as L
+spent = {"routed": 0.0}
+def timed(f):
+    def run(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            spent["routed"] += time.perf_counter() - t
+    return run
+L.LayerwiseQuantizer._quantize_experts = timed(L.LayerwiseQuantizer._quantize_experts)
+L.UnfusedExperts.forward = timed(L.UnfusedExperts.forward)
+layer = L.LayerwiseQuantizer._quantize_layer
+def per_layer(self, i):
+    spent["routed"] = 0.0
+    layer(self, i)
+    print(f"ROUTED {i} {spent['routed']:.3f}", file=sys.stderr)
+L.LayerwiseQuantizer._quantize_layer = per_layer
+from quantize.cli import main
+sys.argv = ["quantize", *sys.argv[1:]]
+main()
+"""
+
+
+def _old_tree(rev: str, work: Path) -> Path:
+    tree = work / f"old-{rev}"
+    if not (tree / "quantize").is_dir():
+        subprocess.run(["git", "worktree", "add", "-f", "--detach", str(tree), rev], check=True, capture_output=True)
+    return tree
+
+
+def _convert_timed(cmd: list[str], tree: Path) -> tuple[dict, dict, str]:
+    """(wall time and peak RSS, the --json report, stderr) of one convert in its own process, importing the
+    `quantize` of `tree` (run from there: `python -c` puts the working directory first on the path)."""
+    import os
+
+    p = subprocess.run([sys.executable, "-c", MEASURE_OUT, *cmd], capture_output=True, text=True, cwd=tree,
+                       env={**os.environ, "PYTHONPATH": str(tree)})
+    if p.returncode:
+        raise SystemExit(f"{cmd[:4]} failed:\n{p.stderr[-3000:]}")
+    head, _, report = p.stdout.partition("\n")
+    rc, seconds, rss = head.split()
+    if int(rc):
+        raise SystemExit(f"{cmd[:4]} failed:\n{p.stderr[-3000:]}")
+    return {"seconds": float(seconds), "peak_rss": int(rss)}, json.loads(report), p.stderr
+
+
+MEASURE_OUT = r"""
+import resource, subprocess, sys, time
+t = time.perf_counter()
+rc = subprocess.run(sys.argv[1:], capture_output=True, text=True)
+dt = time.perf_counter() - t
+sys.stderr.write(rc.stderr)
+print(rc.returncode, dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+print(rc.stdout)
+"""
+
+
+def bench_moe_ranks(args) -> dict:
+    """1 rank vs 2 gloo ranks, new code vs --old, on a DeepSeek-V3-architecture MoE checkpoint."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import make_fixture
+
+    work = Path(args.work).resolve()
+    dims = Dims(hidden=args.hidden, moe_inter=args.moe_inter, inter=2 * args.moe_inter, vocab=make_fixture.VOCAB,
+                heads=args.heads, experts=args.experts)
+    src = work / f"moe-ranks-{args.experts}x{args.hidden}x{args.moe_inter}"
+    if not (src / "config.json").exists():
+        synthetic_kimi(src, dims=dims, n_layers=args.moe_layers + 1, n_shards=2)
+        make_fixture.build_tokenizer(src)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2-w4a16.yaml"
+    data = calibration_text(work).resolve()
+
+    def cmd(out: Path, devices: str) -> list[str]:
+        return ["convert", str(src), str(out), "--recipe", str(recipe), "--method", "gptq",
+                "--calib", str(data), "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len),
+                "--devices", devices, "--json"]
+
+    runs, outs = {}, {}
+    trees = {"new": Path(__file__).resolve().parents[1]}
+    if args.old:
+        trees["old"] = _old_tree(args.old, work)
+    for code, tree in trees.items():
+        for ranks, devices in ((1, "cpu"), (2, "cpu,cpu")):
+            if code == "old" and ranks == 2 and not args.old_ranks:
+                continue
+            out = work / f"moe-ranks-{code}-{ranks}"
+            fresh(out)
+            prog = [sys.executable, "-c", OLD_PHASES] if code == "old" else [sys.executable, "-m", "quantize"]
+            measured, report, err = _convert_timed([*prog, *cmd(out, devices)], tree)
+            cal = report["calibration"]
+            row = {**measured, "seconds_per_layer": cal["seconds_per_layer"]}
+            if code == "old":
+                row["routed_phase_per_layer"] = [float(x.split()[2]) for x in err.splitlines()
+                                                 if x.startswith("ROUTED ")][1:]
+            else:
+                row["seconds_per_phase"] = cal["seconds_per_phase"]
+                row["routed_phase_per_layer"] = [p.get("experts", 0) + p.get("routed_output_and_exchange", 0)
+                                                 for p in cal["seconds_per_phase"]][1:]
+            runs[f"{code}_{ranks}_rank"] = row
+            outs[f"{code}_{ranks}"] = out
+    result = {
+        "checkpoint": {"dims": dataclasses.asdict(dims), "moe_layers": args.moe_layers,
+                       "source_bytes": sum(p.stat().st_size for p in src.glob("*.safetensors"))},
+        "calibration": {"num_samples": args.num_samples, "seq_len": args.seq_len},
+        "runs": runs,
+        "two_ranks_speedup": runs["new_1_rank"]["seconds"] / runs["new_2_rank"]["seconds"],
+        "two_ranks_bytes": compare_outputs(outs["new_1"], outs["new_2"]),
+    }
+    if args.old:
+        new, old = runs["new_1_rank"]["routed_phase_per_layer"], runs["old_1_rank"]["routed_phase_per_layer"]
+        result["old_revision"] = args.old
+        result["routed_phase_speedup_per_layer"] = [o / n for o, n in zip(old, new, strict=True)]
+        result["one_rank_speedup_vs_old"] = runs["old_1_rank"]["seconds"] / runs["new_1_rank"]["seconds"]
+        if args.old_ranks:
+            result["old_two_ranks_speedup"] = runs["old_1_rank"]["seconds"] / runs["old_2_rank"]["seconds"]
+    return result
 
 
 def main() -> None:
@@ -487,11 +644,25 @@ def main() -> None:
     k.add_argument("--hidden", type=int, default=7168)
     k.add_argument("--moe-inter", type=int, default=2048)
     k.add_argument("--heads", type=int, default=64)
-    k.add_argument("--num-samples", type=int, default=64)
-    k.add_argument("--seq-len", type=int, default=512)
+    k.add_argument("--num-samples", type=int, default=512)
+    k.add_argument("--seq-len", type=int, default=2048)
+    k.add_argument("--min-expert-tokens", type=int, default=16)
     k.add_argument("--device", default="cuda")
+    k.add_argument("--devices", help="several ranks, e.g. cuda:0,cuda:1 (default: --device alone)")
     k.add_argument("--work", default=".cache/bench")
     k.add_argument("--json", dest="json_out")
+    m = sub.add_parser("moe-ranks", help="GPTQ with 1 vs 2 gloo ranks, new code vs --old, on a routed-expert-heavy MoE")
+    m.add_argument("--experts", type=int, default=128)
+    m.add_argument("--hidden", type=int, default=512)
+    m.add_argument("--moe-inter", type=int, default=512)
+    m.add_argument("--heads", type=int, default=4)
+    m.add_argument("--moe-layers", type=int, default=2)
+    m.add_argument("--num-samples", type=int, default=32)
+    m.add_argument("--seq-len", type=int, default=256)
+    m.add_argument("--old", help="a git revision to run beside (e.g. the commit before a change)")
+    m.add_argument("--old-ranks", action="store_true", help="also run --old with 2 ranks")
+    m.add_argument("--work", default=".cache/bench")
+    m.add_argument("--json", dest="json_out")
     s = sub.add_parser("scale", help="GPTQ time and RSS vs oneshot on a synthetic ~0.6B-parameter Llama")
     s.add_argument("--layers", type=int, default=12)
     s.add_argument("--hidden", type=int, default=2048)
@@ -505,7 +676,8 @@ def main() -> None:
     d.add_argument("--json", dest="json_out")
     a = p.parse_args()
     result = {"rtn": bench_rtn, "gptq": bench_calibrated, "awq": bench_calibrated, "depth": bench_depth,
-              "scale": bench_scale, "moe-layer": bench_moe_layer}[a.what](a)
+              "scale": bench_scale, "moe-layer": bench_moe_layer,
+              "moe-ranks": bench_moe_ranks}[a.what](a)
     # figures from one kind of CPU do not carry to another (bf16 GEMMs: ~50x slower on AVX2): say which ran them
     from quantize.compute import cpu_capability
 
