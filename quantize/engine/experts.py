@@ -36,7 +36,7 @@ from quantize.tensor_plan import Entry
 REDUCTION_GROUPS = 16
 LEAVES = ("gate_proj", "up_proj", "down_proj")
 MAX_CHUNK = 32  # experts solved as one stack at most: beyond this a stack is no faster, only bigger
-HOST_CHUNK_BYTES = 1 << 30  # on CPU, a chunk's working memory at most: the rest of the host holds activations
+HOST_CHUNK_BYTES = 1 << 29  # on CPU, a chunk's working memory at most: the rest of the host holds activations
 HESSIAN_ROWS = 8192  # an expert's tokens go into its Hessians this many rows at a time (fixed: same sums always)
 
 
@@ -362,7 +362,8 @@ class LayerExperts:
 
     # -- the exchange of results ---------------------------------------------------------------------------
     def collect(self) -> dict[tuple[int, str], Result]:
-        """Rank 0: every expert's results, its own and one message from each other rank. Others: send theirs."""
+        """Rank 0: every expert's results, its own and one message from each other rank (every tensor's bytes
+        end to end, in an order both sides know from the plan). Others: send theirs."""
         s = self.s
         if s.world == 1:
             return self.results
@@ -374,29 +375,39 @@ class LayerExperts:
             keys = self._keys(self.owned)
             meta = torch.tensor([[float(self.results[k].fallback), self.results[k].error] for k in keys],
                                 dtype=torch.float64).reshape(-1, 2)
-            _send(meta, 0)
-            for k in keys:
-                r = self.results[k]
-                for t in (r.packed, r.scale, r.zero_point):
-                    if t is not None:
-                        _send(t, 0)
+            parts = [meta] + [t for k in keys for t in self._tensors(self.results[k]) if t is not None]
+            _send(torch.cat([_wire(t).view(torch.uint8).flatten() for t in parts]), 0)
             return {}
         results = dict(self.results)
         for rank in range(1, s.world):
-            owned = [e for g in owned_groups(rank, s.world) for e in group_experts(g, self.n)]
-            keys = self._keys(owned)
+            keys = self._keys([e for g in owned_groups(rank, s.world) for e in group_experts(g, self.n)])
             meta = torch.empty(len(keys), 2, dtype=torch.float64)
-            _recv(meta, rank)
-            for (e, leaf), (fallback, error) in zip(keys, meta.tolist(), strict=True):
-                out_f, in_f = self.targets[e][leaf].tensor.shape
-                n_groups = in_f // s.scheme.group_size
-                packed = _recv(torch.empty(out_f, math.ceil(in_f / 8), dtype=torch.int32), rank)
-                scale = _recv(torch.empty(out_f, n_groups, dtype=s.dtype), rank)
-                zp = None
-                if not s.scheme.symmetric:
-                    zp = _recv(torch.empty(math.ceil(out_f / 8), n_groups, dtype=torch.int32), rank)
-                results[(e, leaf)] = Result(packed, scale, zp, bool(fallback), error)
+            empty = {k: self._empty(*k) for k in keys}
+            parts = [meta] + [t for k in keys for t in self._tensors(empty[k]) if t is not None]
+            message = _recv(torch.empty(sum(t.numel() * t.element_size() for t in parts), dtype=torch.uint8), rank)
+            start = 0
+            for t in parts:
+                n = t.numel() * t.element_size()
+                _wire(t).view(torch.uint8).view(-1).copy_(message[start:start + n])
+                start += n
+            for k, (fallback, error) in zip(keys, meta.tolist(), strict=True):
+                r = empty[k]
+                results[k] = Result(r.packed, r.scale, r.zero_point, bool(fallback), error)
         return results
+
+    @staticmethod
+    def _tensors(r: Result) -> tuple:
+        return r.packed, r.scale, r.zero_point
+
+    def _empty(self, e: int, leaf: str) -> Result:
+        """A result of the shape the plan gives expert e's Linear, to receive into."""
+        out_f, in_f = self.targets[e][leaf].tensor.shape
+        n_groups = in_f // self.s.scheme.group_size
+        zp = None
+        if not self.s.scheme.symmetric:
+            zp = torch.empty(math.ceil(out_f / 8), n_groups, dtype=torch.int32)
+        return Result(torch.empty(out_f, math.ceil(in_f / 8), dtype=torch.int32),
+                      torch.empty(out_f, n_groups, dtype=self.s.dtype), zp, False, 0.0)
 
     def _keys(self, experts: list[int]) -> list[tuple[int, str]]:
         return [(e, leaf) for e in experts for leaf in LEAVES if leaf in self.targets.get(e, {})]
