@@ -79,3 +79,33 @@ def test_every_expert_has_one_owner_and_groups_do_not_depend_on_the_ranks():
         owners = [r for r in range(world) for g in experts.owned_groups(r, world) for _ in experts.group_experts(g, n)]
         assert len(owners) == n and owners == sorted(owners)
     assert [len(experts.group_experts(g, n)) for g in range(experts.REDUCTION_GROUPS)] == [24] * 16
+
+
+def test_every_expert_is_solved_in_the_same_stack_on_any_number_of_ranks(monkeypatch):
+    """Batched GPU kernels may round by batch size, so the stacks must not depend on the ranks or on free
+    memory: stacks never cross a group (a rank owns whole groups), and their size comes from the shapes."""
+    import psutil
+
+    config, moe = _moe()
+    prefix = "model.layers.1.mlp.experts."
+    monkeypatch.setattr(experts, "CHUNK_BYTES", {False: 3 * experts.expert_bytes(32, 64, torch.float32), True: 0})
+
+    def stacks(rank: int, world: int) -> list[list[int]]:
+        setting = experts.Setting(_Source(moe, prefix), torch.device("cpu"), torch.float32, torch.float32,
+                                  SimpleNamespace(group_size=32), None, Calibration(), world, rank)
+        work = experts.LayerExperts(setting, prefix, 40, {}, 8, 64, 4, moe.experts.act_fn,
+                                    lambda rows, width, dtype: activations.TokenBuffer("cpu", torch.device("cpu"),
+                                                                                       None, rows, width, dtype))
+        return list(work._chunks(work.owned))
+
+    one = stacks(0, 1)
+    assert one == [s for r in range(4) for s in stacks(r, 4)] == [s for r in range(2) for s in stacks(r, 2)]
+    assert all(len(s) <= 3 for s in one) and max(len(s) for s in one) == 3
+    for s in one:
+        assert len({next(g for g in range(16) if e in experts.group_experts(g, 40)) for e in s}) == 1
+
+    class Tight:
+        available = 1
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: Tight)
+    assert stacks(0, 1) == one

@@ -21,7 +21,6 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,8 +35,21 @@ from quantize.tensor_plan import Entry
 REDUCTION_GROUPS = 16
 LEAVES = ("gate_proj", "up_proj", "down_proj")
 MAX_CHUNK = 32  # experts solved as one stack at most: beyond this a stack is no faster, only bigger
-HOST_CHUNK_BYTES = 1 << 29  # on CPU, a chunk's working memory at most: the rest of the host holds activations
+# A stack's working memory at most, on the CPU (the rest of the host holds activations and results) and on a
+# GPU (a group of Kimi K2's experts, 24 of 1.3 GB; fixed, not read from free memory: see _chunks)
+CHUNK_BYTES = {False: 1 << 29, True: 32 << 30}
 HESSIAN_ROWS = 8192  # an expert's tokens go into its Hessians this many rows at a time (fixed: same sums always)
+
+
+def expert_bytes(inter: int, hidden: int, dtype: torch.dtype) -> int:
+    """Working memory of one routed expert in a stack: its weights and their float32 copies, its two
+    Hessians with the factor and the inverse of each."""
+    return 3 * inter * hidden * (dtype.itemsize + 12) + 3 * 4 * (hidden * hidden + inter * inter)
+
+
+def stack_size(inter: int, hidden: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Experts solved as one stack: as many as CHUNK_BYTES holds, at most MAX_CHUNK, at least one."""
+    return max(1, min(MAX_CHUNK, CHUNK_BYTES[device.type == "cuda"] // expert_bytes(inter, hidden, dtype)))
 
 
 class UnfusedExperts(nn.ModuleList):
@@ -292,21 +304,20 @@ class LayerExperts:
                                          fallback, error)
 
     def _chunks(self, experts: list[int]) -> Iterator[list[int]]:
-        """Consecutive experts in chunks whose working memory fits the budget (the chunks never change the
-        bytes: each expert's solve is that of solving it alone)."""
+        """Consecutive experts of one group at a time, in stacks whose working memory fits CHUNK_BYTES.
+
+        The stacks depend only on the groups and the shapes, never on free memory or the number of ranks (a
+        rank owns whole groups), so every expert is solved in the same stack in any run: on the CPU each
+        expert's codes are those of solving it alone anyway (tests/test_gptq.py), but batched GPU kernels
+        (cuSOLVER, cuBLAS) may pick another algorithm for another batch size."""
         if not experts:
             return
-        w = self.s.ckpt.tensors[f"{self.prefix}{experts[0]}.gate_proj.weight"]
-        inter, hidden = w.shape
-        per_expert = (3 * inter * hidden * (self.s.dtype.itemsize + 12)
-                      + 3 * 4 * (hidden * hidden + inter * inter))  # weights and fp32 copies; Hessians, L, inverse
-        if self.s.device.type == "cuda":
-            budget = torch.cuda.mem_get_info(self.s.device)[0] // 4
-        else:
-            budget = min(psutil.virtual_memory().available // 4, HOST_CHUNK_BYTES)
-        size = max(1, min(MAX_CHUNK, budget // per_expert))
-        for i in range(0, len(experts), size):
-            yield experts[i:i + size]
+        inter, hidden = self.s.ckpt.tensors[f"{self.prefix}{experts[0]}.gate_proj.weight"].shape
+        size = stack_size(inter, hidden, self.s.dtype, self.s.device)
+        for g in range(REDUCTION_GROUPS):
+            members = [e for e in experts if e in group_experts(g, self.n)]
+            for i in range(0, len(members), size):
+                yield members[i:i + size]
 
     # -- after the quantized layer's pass ------------------------------------------------------------------
     def routed_output(self) -> torch.Tensor | None:
