@@ -567,7 +567,7 @@ def bench_moe_ranks(args) -> dict:
     work = Path(args.work).resolve()
     dims = Dims(hidden=args.hidden, moe_inter=args.moe_inter, inter=2 * args.moe_inter, vocab=make_fixture.VOCAB,
                 heads=args.heads, experts=args.experts)
-    src = work / f"moe-ranks-{args.experts}x{args.hidden}x{args.moe_inter}"
+    src = work / f"moe-ranks-{args.experts}x{args.hidden}x{args.moe_inter}-{args.moe_layers}moe"
     if not (src / "config.json").exists():
         synthetic_kimi(src, dims=dims, n_layers=args.moe_layers + 1, n_shards=2)
         make_fixture.build_tokenizer(src)
