@@ -639,26 +639,24 @@ def main() -> None:
         q.add_argument("--repeat", type=int, default=1, help="runs of each tool, alternated; the fastest counts")
         q.add_argument("--work", default=".cache/bench")
         q.add_argument("--json", dest="json_out")
-    k = sub.add_parser("moe-layer", help="GPTQ time for one Kimi-shaped MoE layer (run it on a GPU)")
-    k.add_argument("--experts", type=int, default=384)
-    k.add_argument("--hidden", type=int, default=7168)
-    k.add_argument("--moe-inter", type=int, default=2048)
-    k.add_argument("--heads", type=int, default=64)
-    k.add_argument("--num-samples", type=int, default=512)
-    k.add_argument("--seq-len", type=int, default=2048)
+    def moe_parser(name, about, experts, hidden, inter, heads, num_samples, seq_len):
+        """The shape of a synthetic DeepSeek-V3-architecture checkpoint and its calibration tokens."""
+        x = sub.add_parser(name, help=about)
+        for flag, default in (("--experts", experts), ("--hidden", hidden), ("--moe-inter", inter), ("--heads", heads),
+                              ("--num-samples", num_samples), ("--seq-len", seq_len)):
+            x.add_argument(flag, type=int, default=default)
+        return x
+
+    k = moe_parser("moe-layer", "GPTQ time for one Kimi-shaped MoE layer (run it on a GPU)", 384, 7168, 2048, 64, 512,
+                   2048)
     k.add_argument("--min-expert-tokens", type=int, default=16)
     k.add_argument("--device", default="cuda")
     k.add_argument("--devices", help="several ranks, e.g. cuda:0,cuda:1 (default: --device alone)")
     k.add_argument("--work", default=".cache/bench")
     k.add_argument("--json", dest="json_out")
-    m = sub.add_parser("moe-ranks", help="GPTQ with 1 vs 2 gloo ranks, new code vs --old, on a routed-expert-heavy MoE")
-    m.add_argument("--experts", type=int, default=128)
-    m.add_argument("--hidden", type=int, default=512)
-    m.add_argument("--moe-inter", type=int, default=512)
-    m.add_argument("--heads", type=int, default=4)
+    m = moe_parser("moe-ranks", "GPTQ with 1 vs 2 gloo ranks, new code vs --old, on a routed-expert-heavy MoE", 128,
+                   512, 512, 4, 32, 256)
     m.add_argument("--moe-layers", type=int, default=2)
-    m.add_argument("--num-samples", type=int, default=32)
-    m.add_argument("--seq-len", type=int, default=256)
     m.add_argument("--old", help="a git revision to run beside (e.g. the commit before a change)")
     m.add_argument("--old-ranks", action="store_true", help="also run --old with 2 ranks")
     m.add_argument("--work", default=".cache/bench")

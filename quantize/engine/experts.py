@@ -180,6 +180,7 @@ class LayerExperts:
         self.results: dict[tuple[int, str], Result] = {}
         self.counts: list[int] = []
         self._filled = 0
+        self._sending: list = []  # rank 0's pending broadcast of the quantized pass's inputs
 
     # -- what the layer's passes record (rank 0) -----------------------------------------------------------
     def record_calibration(self, x: torch.Tensor, top_k_index: torch.Tensor, _weights: torch.Tensor) -> None:
@@ -204,8 +205,8 @@ class LayerExperts:
     # -- the collectives: one broadcast per pass, one message per rank and group ---------------------------
     def share_calibration(self) -> None:
         if self.s.world > 1:
-            _broadcast(self.x_cal.t, self.s.device)
-            _broadcast(self.idx_cal, self.s.device)
+            _broadcast(self.x_cal.t)
+            _broadcast(self.idx_cal)
 
     def share_advance(self) -> None:
         """Rank 0 sends without waiting (the others receive once their own solve is done, and rank 0 goes on
@@ -213,7 +214,7 @@ class LayerExperts:
         if self.s.world > 1:
             if self.s.rank != 0:
                 self.start_advance()
-            self._sending = [_broadcast(t, self.s.device, async_op=self.s.rank == 0)
+            self._sending = [_broadcast(t, async_op=self.s.rank == 0)
                              for t in (self.x_adv.t, self.idx_adv, self.w_adv)]
 
     # -- the solve -----------------------------------------------------------------------------------------
@@ -222,15 +223,19 @@ class LayerExperts:
         routing = route(self.idx_cal, self.n)
         self.counts = routing.counts
         work = [e for e in self.owned if self.targets.get(e)]
-        all_rows = None
-        if self.s.calibration.calibrate_all_experts:
+        all_rows = shared_in = None
+        if self.s.calibration.calibrate_all_experts:  # every expert sees every token: one input Hessian for all
             all_rows = torch.arange(self.tokens)
+            shared_in = torch.zeros(self.hidden, self.hidden, device=self.s.device)
+            for r in range(0, self.tokens, HESSIAN_ROWS):
+                gptq.add_batch(shared_in, self.x_cal.rows(all_rows[r:r + HESSIAN_ROWS]))
         for chunk in self._chunks(work):
             weights = {e: self._source(e) for e in chunk}
             calibrated = [e for e in chunk if not self.rtn_only(e)]
             h_in, h_down = {}, {}
             for e in calibrated:
-                h_in[e], h_down[e] = self._hessians(weights[e], routing.tokens(e) if all_rows is None else all_rows)
+                h_in[e], h_down[e] = self._hessians(weights[e], routing.tokens(e) if all_rows is None else all_rows,
+                                                    shared_in)
             for e in chunk:
                 if e not in h_in:
                     for leaf in self.targets[e]:
@@ -262,15 +267,19 @@ class LayerExperts:
         return {leaf: s.ckpt.decode(s.ckpt.tensors[f"{self.prefix}{e}.{leaf}.weight"], s.device).to(s.dtype)
                 for leaf in LEAVES}
 
-    def _hessians(self, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _hessians(self, w: dict[str, torch.Tensor], tokens: torch.Tensor,
+                  shared_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input Hessian (a copy of `shared_in` when given) and the down projection's, from these rows."""
         c = self.s.compute
         gate, up = w["gate_proj"].to(c), w["up_proj"].to(c)
-        H_in = torch.zeros(gate.shape[1], gate.shape[1], device=self.s.device)
+        H_in = shared_in.clone() if shared_in is not None else torch.zeros(gate.shape[1], gate.shape[1],
+                                                                           device=self.s.device)
         H_down = torch.zeros(gate.shape[0], gate.shape[0], device=self.s.device)
         with torch.no_grad():
             for r in range(0, tokens.numel(), HESSIAN_ROWS):
                 x = self.x_cal.rows(tokens[r:r + HESSIAN_ROWS])
-                gptq.add_batch(H_in, x)
+                if shared_in is None:
+                    gptq.add_batch(H_in, x)
                 gptq.add_batch(H_down, self.act_fn(F.linear(x, gate)) * F.linear(x, up))
         return H_in, H_down
 
@@ -378,7 +387,7 @@ class LayerExperts:
         s = self.s
         if s.world == 1:
             return self.results
-        for pending in getattr(self, "_sending", []):
+        for pending in self._sending:
             if pending is not None:
                 pending[0].wait()
         self._sending = []
@@ -450,7 +459,7 @@ def _recv(t: torch.Tensor, src: int) -> torch.Tensor:
     return t
 
 
-def _broadcast(t: torch.Tensor, device: torch.device, async_op: bool = False):
+def _broadcast(t: torch.Tensor, async_op: bool = False):
     """From rank 0 to all; with async_op (rank 0 only) returns the pending work and the buffer it reads."""
     wire = _wire(t)
     buf = _on_backend(wire)

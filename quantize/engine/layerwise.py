@@ -457,8 +457,9 @@ class LayerwiseQuantizer:
         scale, zp = rtn.group_qparams(W, s.group_size, s.num_bits, s.symmetric)
         if H is None:
             return rtn.quantize_groups(W, scale, zp, s.num_bits), scale, zp, False
-        codes, fallback = gptq.gptq_quantize(W, H, scale, zp, s.num_bits, p.block_size, p.dampening_frac,
-                                             actorder=p.actorder == "static", consume=True)
+        codes, fallback = gptq.gptq_quantize(W, H, scale, zp, consume=True, num_bits=s.num_bits,
+                                             blocksize=p.block_size, percdamp=p.dampening_frac,
+                                             actorder=p.actorder == "static")
         return codes, scale, zp, fallback
 
     def _quantize_stacked(self, weights: list[torch.Tensor], H: torch.Tensor) -> list[tuple]:

@@ -105,31 +105,19 @@ def _reduced_precision_fp32_matmul(device: torch.device):
         backend.fp32_precision = before
 
 
-def gptq_quantize(
-    W: torch.Tensor,
-    H: torch.Tensor,
-    scale: torch.Tensor,
-    zero_point: torch.Tensor | None = None,
-    num_bits: int = 4,
-    blocksize: int = 128,
-    percdamp: float = 0.01,
-    actorder: bool = True,
-    consume: bool = False,
-) -> tuple[torch.Tensor, bool]:
-    """Integer codes [out, in] int8 for W [out, in] under fixed per-group scale [out, in/group].
+def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
+                  consume: bool = False, **params) -> tuple[torch.Tensor, bool]:
+    """Integer codes [out, in] int8 for W [out, in] under fixed per-group scale [out, in/group]: the solve of
+    gptq_quantize_batched (its `params`) with a stack of one, so the same codes as in any stack.
 
     H: sum of x x^T over the calibration inputs, [in, in], as add_batch leaves it (completed here, in place).
     Returns (codes, fallback): fallback is True when H was not positive definite even after dampening, in which
     case the codes are plain RTN.
     consume: the caller's last use of H; its storage is released as soon as the working copy exists.
-    The solve is gptq_quantize_batched's with a stack of one: the same codes as in any stack.
     """
     assert H.shape == (W.shape[1], W.shape[1]), f"H {tuple(H.shape)} for W {tuple(W.shape)}"
-    work, perm = _working_copy(H[None], actorder)
-    if consume:
-        H.set_()
-    codes, fallback = _solve(W[None], work, perm, scale[None], None if zero_point is None else zero_point[None],
-                             num_bits, blocksize, percdamp)
+    codes, fallback = _quantize(W[None], H[None], scale[None], None if zero_point is None else zero_point[None],
+                                H if consume else None, **params)
     return codes[0], bool(fallback[0])
 
 
@@ -151,9 +139,15 @@ def gptq_quantize_batched(
     kernel launches does not grow with E. Every step is per matrix (elementwise ops, batched products and
     factorizations), so each expert's codes are those of solving it alone (tests/test_gptq.py)."""
     assert H.shape == (W.shape[0], W.shape[2], W.shape[2]), f"H {tuple(H.shape)} for W {tuple(W.shape)}"
+    return _quantize(W, H, scale, zero_point, H if consume else None, num_bits, blocksize, percdamp, actorder)
+
+
+def _quantize(W, H, scale, zero_point, release: torch.Tensor | None, num_bits: int = 4, blocksize: int = 128,
+              percdamp: float = 0.01, actorder: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The working copy, then `release` (the caller's Hessian tensor, whose storage goes), then the solve."""
     work, perm = _working_copy(H, actorder)
-    if consume:
-        H.set_()
+    if release is not None:
+        release.set_()
     return _solve(W, work, perm, scale, zero_point, num_bits, blocksize, percdamp)
 
 
