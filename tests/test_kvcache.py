@@ -126,7 +126,10 @@ def test_kv_scales_on_a_real_model(smollm2, tmp_path):
     from transformers import AutoModelForCausalLM
 
     samples, _ = convert_with_kv(smollm2, tmp_path / "out", "dense-w4a16", tmp_path, group_size=64)
-    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16)
+    # judged on what the quantized model itself caches, as in the fixture test above: against the source
+    # model's cache, the drift of 30 quantized layers decides as much as the scale does (22 of 30 layers beat
+    # 1.0 there under float32 forwards; on the quantized model's own cache 24 of 30, and 26 under bf16)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
     assert_beats_the_default(cached_tensors(model, samples, mla=False), read_all(tmp_path / "out"))
 
 
