@@ -142,11 +142,12 @@ def _torchrun_rank(src: str, r, dev: str, offload: str, trust_remote_code: bool)
     import torch
 
     from quantize.engine import distributed
+    from quantize.engine.layerwise import run_rank
 
     folder, _ = hub.resolve(src)
     job = distributed.Job(str(folder), r.to_dict(), 1 << 62, [s[0].tolist() for s in _samples(folder, r, trust_remote_code)],
                           [dev], offload)
-    distributed.run_rank(job, torch.device(dev))
+    run_rank(job, torch.device(dev))
 
 
 def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_code: bool, bar: Progress,
@@ -170,7 +171,7 @@ def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_cod
         bar.update(layers, advance=1, description=f"layer {report.layer}: {report.modules} modules{ex}{fb}")
 
     if len(devices) > 1:
-        err.print(f"ranks: {', '.join(devices)} (routed experts split across them)", highlight=False)
+        err.print(f"ranks: {', '.join(devices)} (calibration samples and routed experts split across them)", highlight=False)
     def on_expert(e, total):
         bar.update(experts, completed=e + 1, total=total, visible=True, description=f"expert {e + 1}/{total}")
 
@@ -311,7 +312,8 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--trust-remote-code", is_flag=True, help="Let the checkpoint's tokenizer code run (calibration only).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @COMPUTE_DTYPE_OPTION
-@click.option("--devices", help="gptq: one rank per device (cuda:0,cuda:1,... or cpu,cpu); routed experts split over them.")
+@click.option("--devices", help="gptq: one rank per device (cuda:0,cuda:1,... or cpu,cpu, at most 16); the "
+              "calibration samples and the routed experts are split over them, and the bytes are those of one rank.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size, help="Largest output shard.")
 @click.option("--workers", default=lambda: min(8, os.cpu_count() or 1), show_default="CPU cores, at most 8",
               type=click.IntRange(1, 64), help="Tensors converted at once (threads); memory grows with it.")
@@ -384,6 +386,10 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         dev = resolve_device(device)
         if (device_list or distributed.launched_by_torchrun()) and r.method != "gptq":
             raise click.UsageError("several ranks (--devices or torchrun) serve --method gptq")
+        ranks = int(os.environ.get("WORLD_SIZE", 1)) if distributed.launched_by_torchrun() else len(device_list)
+        if ranks > distributed.GROUPS:
+            raise click.UsageError(f"{ranks} ranks: at most {distributed.GROUPS} share a conversion (the work is "
+                                   f"split in {distributed.GROUPS} fixed groups); use fewer devices")
         if distributed.launched_by_torchrun() and distributed.init_torchrun(dev) != 0:
             _torchrun_rank(src, r, dev, offload, trust_remote_code)
             return

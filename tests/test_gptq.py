@@ -182,29 +182,53 @@ def test_gptq_output_loads_in_transformers_with_every_key(kind, fixtures_dir, tm
         assert torch.isfinite(model(samples[0]).logits).all()
 
 
-def test_two_ranks_split_the_experts_and_give_the_bytes_of_one(fixtures_dir, tmp_path):
-    """The CPU twin of --devices cuda:0,cuda:1: two gloo ranks, experts split between them, the same bytes."""
+# (fixture, options, how the ranks start): the routed experts of Kimi K2 (recipe: experts only); GLM-5 with
+# every Linear (MLA and DSA attention, shared experts: dense Hessians), DSA's carried top-k indices and FP8 KV
+# scales, on 3 ranks (a tree of Hessian sums split unevenly); a dense Llama under torchrun
+RANK_CASES = {
+    "kimi experts, 2 ranks": ("kimi-k2-fp8", ["--recipe", str(RECIPES / "kimi-k2-w4a16.yaml")], "cpu,cpu"),
+    "glm5 all Linears + kv, 3 ranks": ("glm5-bf16", ["--scheme", "w4a16", "--group-size", "32", "--kv-cache", "fp8"],
+                                       "cpu,cpu,cpu"),
+    "llama + kv, torchrun": ("llama-bf16", ["--scheme", "w4a16", "--group-size", "32", "--kv-cache", "fp8"], "torchrun"),
+}
+
+
+@pytest.mark.parametrize("case", list(RANK_CASES))
+def test_several_ranks_split_samples_and_experts_and_give_the_bytes_of_one(case, fixtures_dir, tmp_path):
+    """The CPU twin of --devices cuda:0,cuda:1,...: gloo ranks run their own samples' forwards and solve their
+    own experts; rank 0 adds the Hessians along the fixed tree and writes. The bytes are those of one rank."""
+    import pydoc_data.topics
+    import socket
     import subprocess
     import sys
 
+    kind, opts, ranks = RANK_CASES[case]
     data = tmp_path / "calib.txt"
-    import pydoc_data.topics
-
     data.write_text("\n\n".join(pydoc_data.topics.topics.values()))
     outs = {}
-    for name, extra in (("one", []), ("two", ["--devices", "cpu,cpu"])):
+    for name in ("one", "several"):
         outs[name] = tmp_path / name
-        p = subprocess.run([sys.executable, "-m", "quantize", "convert", str(fixtures_dir / "kimi-k2-fp8"), str(outs[name]),
-                            "--recipe", str(RECIPES / "kimi-k2-w4a16.yaml"), "--method", "gptq", "--calib", str(data),
-                            "--num-samples", "8", "--seq-len", "64", "--max-shard-size", "1MB", *extra],
-                           capture_output=True, text=True, timeout=600)
+        args = ["-m", "quantize", "convert", str(fixtures_dir / kind), str(outs[name]), *opts, "--method", "gptq",
+                "--calib", str(data), "--num-samples", "8", "--seq-len", "64", "--max-shard-size", "1MB",
+                "--device", "cpu"]
+        if name == "one":
+            cmd = [sys.executable, *args]
+        elif ranks == "torchrun":
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = sock.getsockname()[1]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+                   *args]
+        else:
+            cmd = [sys.executable, *args, "--devices", ranks]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert p.returncode == 0, p.stderr[-2000:]
-        if extra:
-            assert "ranks: cpu, cpu" in p.stderr
+        if name == "several" and ranks != "torchrun":
+            assert f"ranks: {ranks.replace(',', ', ')}" in p.stderr
     files = sorted(f.name for f in outs["one"].glob("*.safetensors"))
-    assert files and files == sorted(f.name for f in outs["two"].glob("*.safetensors"))
+    assert files and files == sorted(f.name for f in outs["several"].glob("*.safetensors"))
     for f in files:
-        assert (outs["one"] / f).read_bytes() == (outs["two"] / f).read_bytes(), f
+        assert (outs["one"] / f).read_bytes() == (outs["several"] / f).read_bytes(), f
 
 
 def test_a_layer_that_cannot_fit_is_refused_up_front(fixtures_dir, tmp_path, monkeypatch):

@@ -103,3 +103,23 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_bytes(engine, fixt
     assert killed >= 4, killed
     if engine == "gptq":
         assert from_checkpoint >= 2, from_checkpoint
+
+
+def test_several_ranks_killed_after_a_layer_resume_from_it_with_the_bytes_of_one(fixtures_dir, tmp_path):
+    """Rank 0 SIGKILLed once a layer is checkpointed (its spawned rank loses the connection and ends); the
+    resume on two ranks starts from rank 0's checkpoint, the other rank told where by rank 0."""
+    base = [sys.executable, "-m", "quantize", "convert", str(fixtures_dir / "glm5-bf16")]
+    opts = ["--scheme", "w4a16", "--group-size", "32", "--method", "gptq", "--calib",
+            str(calibration_samples(tmp_path, n=16)), "--num-samples", "8", "--seq-len", "64",
+            "--max-shard-size", "200KB", "--workers", "1", "--device", "cpu"]
+    reference = tmp_path / "reference"
+    run([*base, str(reference), *opts])
+    out = tmp_path / "out"
+    partial = out.with_name(out.name + ".partial")
+    ranks = [*opts, "--devices", "cpu,cpu"]
+    assert kill_at([*base, str(out), *ranks], partial, LAYER_POINTS["first layer checkpointed"])
+    saved = next_layer(partial)
+    assert saved >= 1
+    report = run([*base, str(out), *ranks, "--resume", "--json"])
+    assert report["calibration"]["resumed_layers"] == saved
+    assert files_of(out) == files_of(reference)

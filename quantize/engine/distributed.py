@@ -1,9 +1,14 @@
 """Several ranks, one conversion: torch.distributed is the engine (gloo on CPU, NCCL on GPUs).
 
 `convert --devices cuda:0,cuda:1,...` makes this process rank 0 and spawns one rank per further device; the same
-command also runs under `torchrun --nproc-per-node N` (RANK / WORLD_SIZE in the environment). Rank 0 reads,
-calibrates and writes; within each MoE layer the routed experts are split over the ranks (engine/experts.py).
-What a rank runs is given to `spawn` (engine/layerwise.run_rank), so this module imports no engine.
+command also runs under `torchrun --nproc-per-node N` (RANK / WORLD_SIZE in the environment). Rank 0 reads and
+writes. Under GPTQ every layer's calibration samples are split over the ranks (data parallel forwards), and
+within each MoE layer the routed experts are (engine/experts.py).
+
+Work is split in GROUPS fixed groups, and a rank owns whole groups: whatever is summed across samples or
+experts is summed group by group in one order, fixed by the groups and never by the number of ranks, so the
+bytes are the same on 1 rank as on 16. What a rank runs is given to `spawn` (engine/layerwise.run_rank), so
+this module imports no engine.
 """
 
 import os
@@ -14,6 +19,121 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+GROUPS = 16  # at most this many ranks share a layer's work
+
+
+def group_members(g: int, n: int) -> range:
+    """The items (samples, or a layer's experts) of group g of n."""
+    return range(n * g // GROUPS, n * (g + 1) // GROUPS)
+
+
+def owned_groups(rank: int, world: int) -> range:
+    """A rank's groups of samples: consecutive, so that its samples are one contiguous run of tokens."""
+    return range(GROUPS * rank // world, GROUPS * (rank + 1) // world)
+
+
+def expert_groups(rank: int, world: int) -> range:
+    """A rank's groups of a layer's experts: every world-th. Rank 0 adds the groups' routed outputs in group
+    order, so with strided groups every rank computes its next group while rank 0 takes the one before (with
+    consecutive groups the others would wait, each send blocked, until rank 0 had done all of its own: the
+    routed output of 2 CPU ranks took as long as one rank's)."""
+    return range(rank, GROUPS, world)
+
+
+def share(rank: int, world: int, n: int) -> range:
+    """The items of n that a rank owns: its groups' members, contiguous and in order."""
+    groups = owned_groups(rank, world)
+    return range(group_members(groups.start, n).start, group_members(groups.stop - 1, n).stop)
+
+
+# Point to point and broadcast as bytes, so that any dtype crosses (gloo has no float8 or bfloat16 sums, and a
+# byte copy is exact); NCCL needs the tensor on the rank's GPU.
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    t = t.contiguous().view(-1) if t.dim() == 0 else t.contiguous()  # a view: what is received lands in t
+    return t.view(torch.uint8) if t.is_floating_point() and t.dtype.itemsize > 1 else t
+
+
+def _on_backend(t: torch.Tensor) -> torch.Tensor:
+    if dist.get_backend() == "nccl" and t.device.type != "cuda":
+        return t.to(torch.device("cuda", torch.cuda.current_device()))
+    return t
+
+
+def send(t: torch.Tensor, dst: int) -> None:
+    dist.send(_on_backend(_wire(t)), dst)
+
+
+def recv(t: torch.Tensor, src: int) -> torch.Tensor:
+    """Into t (contiguous), from rank src."""
+    wire = _wire(t)  # a view of t: t is contiguous
+    buf = _on_backend(wire)
+    dist.recv(buf, src)
+    if buf is not wire:
+        wire.copy_(buf)
+    return t
+
+
+def broadcast(t: torch.Tensor, src: int = 0, async_op: bool = False):
+    """t (contiguous) from rank src to all; with async_op (on src only) returns the pending work and the buffer
+    it reads, which must be kept until the work is done."""
+    wire = _wire(t)
+    buf = _on_backend(wire)
+    work = dist.broadcast(buf, src=src, async_op=async_op)
+    if async_op:
+        return work, buf
+    if buf is not wire:
+        wire.copy_(buf)
+    return None
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+           torch.uint8, torch.bool, torch.float64]
+_MAX_DIMS = 6
+
+
+def send_any(t: torch.Tensor | None, dst: int) -> None:
+    """A tensor whose shape and dtype the receiver does not know (or None): a header, then the bytes."""
+    head = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    if t is not None:
+        assert t.dim() <= _MAX_DIMS
+        head[0], head[1] = _DTYPES.index(t.dtype) + 1, t.dim()
+        head[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    send(head, dst)
+    if t is not None and t.numel():
+        send(t, dst)
+
+
+def recv_any(src: int, device: torch.device) -> torch.Tensor | None:
+    head = recv(torch.empty(2 + _MAX_DIMS, dtype=torch.int64), src).tolist()
+    if head[0] == 0:
+        return None
+    t = torch.empty(head[2:2 + head[1]], dtype=_DTYPES[head[0] - 1], device=device)
+    return recv(t, src) if t.numel() else t
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype)
+
+
+def code_dtype(code: int) -> torch.dtype:
+    return _DTYPES[code]
+
+
+def agree(values: list[int]) -> list[int]:
+    """Rank 0's few integers, on every rank (what the others pass is replaced)."""
+    t = torch.tensor(values, dtype=torch.int64)
+    broadcast(t, 0)
+    return t.tolist()
+
+
+def send_text(text: str, dst: int) -> None:
+    data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)
+    send_any(data, dst)
+
+
+def recv_text(src: int) -> str:
+    return bytes(recv_any(src, torch.device("cpu")).tolist()).decode()
 
 
 @dataclass
@@ -27,8 +147,6 @@ class Job:
     devices: list[str]
     offload: str
     allow_nonfinite: bool = False
-    start_layer: int = 0  # a resumed run continues from rank 0's layer checkpoint
-    compute_dtype: str = "auto"  # rank 0's choice (compute.py), so that every rank computes alike
 
 
 def _free_port() -> int:

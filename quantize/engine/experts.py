@@ -6,11 +6,14 @@ because the routed output is only ever added (to the shared experts' output, the
 engine adds it afterwards, from `LayerExperts.routed_output`.
 
 Per layer, on every rank (the same code with one rank):
-- the calibration pass's MoE inputs are one [tokens, hidden] buffer, sorted by expert once (`route`: one stable
-  argsort), so each expert reads a contiguous run of token indices;
-- the experts are split into REDUCTION_GROUPS fixed groups; a rank owns whole groups (`owned_groups`), decodes
-  only their experts, chunk by chunk of bounded bytes, from the source, builds their Hessians from their own
-  tokens and solves each chunk as one stack (`gptq.gptq_quantize_batched`), with no collective per expert;
+- each rank runs the forwards of its own samples (engine/layerwise.py) and records their MoE inputs into its
+  span of one [tokens, hidden] buffer; the spans are then exchanged (one broadcast per rank and pass), so
+  every rank holds every token's input;
+- the buffer is sorted by expert once (`route`: one stable argsort), so each expert reads a contiguous run of
+  token indices;
+- the experts are split into distributed.GROUPS fixed groups; a rank owns whole groups, decodes only their
+  experts, chunk by chunk of bounded bytes, from the source, builds their Hessians from their own tokens and
+  solves each chunk as one stack (`gptq.gptq_quantize_batched`), with no collective per expert;
 - after the quantized layer's pass, each group's routed output is summed on its owner, expert by expert in
   order, and rank 0 adds the groups in order: the same sums in the same order for any number of ranks, so
   the bytes never depend on it;
@@ -22,17 +25,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
 from quantize.engine.activations import TokenBuffer, release_freed_memory
+from quantize.engine.distributed import GROUPS, broadcast, expert_groups, group_members, recv, send
 from quantize.quant import gptq, pack, rtn
 from quantize.tensor_plan import Entry
 
-# Fixed, so that the order of the routed output's sums does not depend on the number of ranks (at most this
-# many ranks share a layer's experts).
-REDUCTION_GROUPS = 16
 LEAVES = ("gate_proj", "up_proj", "down_proj")
 MAX_CHUNK = 32  # experts solved as one stack at most: beyond this a stack is no faster, only bigger
 # A stack's working memory at most, on the CPU (the rest of the host holds activations and results) and on a
@@ -124,18 +124,6 @@ def route(top_k_index: torch.Tensor, n_experts: int) -> Routing:
     return Routing(order, offsets, top_k_index.shape[-1])
 
 
-def group_experts(g: int, n_experts: int) -> range:
-    return range(n_experts * g // REDUCTION_GROUPS, n_experts * (g + 1) // REDUCTION_GROUPS)
-
-
-def owned_groups(rank: int, world: int) -> range:
-    return range(REDUCTION_GROUPS * rank // world, REDUCTION_GROUPS * (rank + 1) // world)
-
-
-def owner_of_group(g: int, world: int) -> int:
-    return next(r for r in range(world) if g in owned_groups(r, world))
-
-
 @dataclass
 class Setting:
     """What the expert work needs of the run, the same on every rank."""
@@ -168,21 +156,22 @@ class LayerExperts:
 
     def __init__(self, s: Setting, prefix: str, n_experts: int, targets: dict[int, dict[str, Entry]], tokens: int,
                  hidden: int, top_k: int, act_fn, store: Callable[[int, int, torch.dtype], TokenBuffer],
-                 on_expert: Callable[[int, int], None] | None = None):
+                 on_expert: Callable[[int, int], None] | None = None, spans: list[tuple[int, int]] | None = None):
         self.s, self.prefix, self.n, self.targets = s, prefix, n_experts, targets
         self.tokens, self.hidden, self.top_k, self.act_fn = tokens, hidden, top_k, act_fn
+        # the token rows whose forwards each rank runs (its samples'), in rank order; by default rank 0's all
+        self.spans = spans or [(0, tokens)] + [(tokens, tokens)] * (s.world - 1)
         self.store, self.on_expert = store, on_expert
-        self.groups = owned_groups(s.rank, s.world)
-        self.owned = [e for g in self.groups for e in group_experts(g, n_experts)]
+        self.groups = expert_groups(s.rank, s.world)
+        self.owned = [e for g in self.groups for e in group_members(g, n_experts)]
         self.x_cal = store(tokens, hidden, s.compute)
         self.idx_cal = torch.empty(tokens, top_k, dtype=torch.int64)
         self.x_adv = self.idx_adv = self.w_adv = None
         self.results: dict[tuple[int, str], Result] = {}
         self.counts: list[int] = []
-        self._filled = 0
-        self._sending: list = []  # rank 0's pending broadcast of the quantized pass's inputs
+        self._filled = self.spans[s.rank][0]
 
-    # -- what the layer's passes record (rank 0) -----------------------------------------------------------
+    # -- what the layer's passes record (each rank, its own samples' tokens) --------------------------------
     def record_calibration(self, x: torch.Tensor, top_k_index: torch.Tensor, _weights: torch.Tensor) -> None:
         n = x.shape[0]
         self.x_cal.write(self._filled, x)
@@ -193,7 +182,7 @@ class LayerExperts:
         self.x_adv = self.store(self.tokens, self.hidden, self.s.compute)
         self.idx_adv = torch.empty(self.tokens, self.top_k, dtype=torch.int64)
         self.w_adv = torch.empty(self.tokens, self.top_k, dtype=torch.float32)
-        self._filled = 0
+        self._filled = self.spans[self.s.rank][0]
 
     def record_advance(self, x: torch.Tensor, top_k_index: torch.Tensor, weights: torch.Tensor) -> None:
         n = x.shape[0]
@@ -202,20 +191,20 @@ class LayerExperts:
         self.w_adv[self._filled:self._filled + n] = weights.to("cpu", torch.float32)
         self._filled += n
 
-    # -- the collectives: one broadcast per pass, one message per rank and group ---------------------------
+    # -- the collectives: one broadcast per rank and pass, one message per rank and group ------------------
     def share_calibration(self) -> None:
-        if self.s.world > 1:
-            _broadcast(self.x_cal.t)
-            _broadcast(self.idx_cal)
+        self._share(self.x_cal.t, self.idx_cal)
 
     def share_advance(self) -> None:
-        """Rank 0 sends without waiting (the others receive once their own solve is done, and rank 0 goes on
-        to solve its experts meanwhile); the buffers are only read from here on."""
+        self._share(self.x_adv.t, self.idx_adv, self.w_adv)
+
+    def _share(self, *buffers: torch.Tensor) -> None:
+        """Every rank's span of each buffer to every rank."""
         if self.s.world > 1:
-            if self.s.rank != 0:
-                self.start_advance()
-            self._sending = [_broadcast(t, async_op=self.s.rank == 0)
-                             for t in (self.x_adv.t, self.idx_adv, self.w_adv)]
+            for r, (a, b) in enumerate(self.spans):
+                if b > a:
+                    for t in buffers:
+                        broadcast(t[a:b], src=r)
 
     # -- the solve -----------------------------------------------------------------------------------------
     def solve(self) -> None:
@@ -323,8 +312,8 @@ class LayerExperts:
             return
         inter, hidden = self.s.ckpt.tensors[f"{self.prefix}{experts[0]}.gate_proj.weight"].shape
         size = stack_size(inter, hidden, self.s.dtype, self.s.device)
-        for g in range(REDUCTION_GROUPS):
-            members = [e for e in experts if e in group_experts(g, self.n)]
+        for g in range(GROUPS):
+            members = [e for e in experts if e in group_members(g, self.n)]
             for i in range(0, len(members), size):
                 yield members[i:i + size]
 
@@ -336,8 +325,8 @@ class LayerExperts:
         routing = route(self.idx_adv, self.n)
         w_flat = self.w_adv.reshape(-1)
         y = None
-        for g in range(REDUCTION_GROUPS):
-            experts = list(group_experts(g, self.n))
+        for g in range(GROUPS):
+            experts = list(group_members(g, self.n))
             if g in self.groups:
                 part = torch.zeros(self.tokens, self.hidden, dtype=s.compute, device=s.device)
                 for e in experts:  # in order: the sum's order is fixed
@@ -352,11 +341,11 @@ class LayerExperts:
                     out = out * w_flat[positions].to(s.device)[:, None]  # float32 weights, as transformers does
                     part.index_add_(0, tokens.to(s.device), out.to(s.compute))
                 if s.rank != 0:
-                    _send(part, 0)
+                    send(part, 0)
                     continue
             elif s.rank == 0:
                 part = torch.empty(self.tokens, self.hidden, dtype=s.compute, device=s.device)
-                _recv(part, owner_of_group(g, s.world))
+                recv(part, g % s.world)
             else:
                 continue
             y = part if y is None else y.add_(part)
@@ -387,28 +376,24 @@ class LayerExperts:
         s = self.s
         if s.world == 1:
             return self.results
-        for pending in self._sending:
-            if pending is not None:
-                pending[0].wait()
-        self._sending = []
         if s.rank != 0:
             keys = self._keys(self.owned)
             meta = torch.tensor([[float(self.results[k].fallback), self.results[k].error] for k in keys],
                                 dtype=torch.float64).reshape(-1, 2)
             parts = [meta] + [t for k in keys for t in self._tensors(self.results[k]) if t is not None]
-            _send(torch.cat([_wire(t).view(torch.uint8).flatten() for t in parts]), 0)
+            send(torch.cat([t.contiguous().view(torch.uint8).flatten() for t in parts]), 0)
             return {}
         results = dict(self.results)
         for rank in range(1, s.world):
-            keys = self._keys([e for g in owned_groups(rank, s.world) for e in group_experts(g, self.n)])
+            keys = self._keys([e for g in expert_groups(rank, s.world) for e in group_members(g, self.n)])
             meta = torch.empty(len(keys), 2, dtype=torch.float64)
             empty = {k: self._empty(*k) for k in keys}
             parts = [meta] + [t for k in keys for t in self._tensors(empty[k]) if t is not None]
-            message = _recv(torch.empty(sum(t.numel() * t.element_size() for t in parts), dtype=torch.uint8), rank)
+            message = recv(torch.empty(sum(t.numel() * t.element_size() for t in parts), dtype=torch.uint8), rank)
             start = 0
             for t in parts:
                 n = t.numel() * t.element_size()
-                _wire(t).view(torch.uint8).view(-1).copy_(message[start:start + n])
+                t.contiguous().view(torch.uint8).view(-1).copy_(message[start:start + n])
                 start += n
             for k, (fallback, error) in zip(keys, meta.tolist(), strict=True):
                 r = empty[k]
@@ -431,41 +416,3 @@ class LayerExperts:
 
     def _keys(self, experts: list[int]) -> list[tuple[int, str]]:
         return [(e, leaf) for e in experts for leaf in LEAVES if leaf in self.targets.get(e, {})]
-
-
-# Point to point and broadcast as bytes, so that any dtype crosses (gloo has no float8 or bfloat16 sums, and a
-# byte copy is exact); NCCL needs the tensor on the rank's GPU.
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    return t.view(torch.uint8) if t.is_floating_point() and t.dtype.itemsize > 1 else t
-
-
-def _on_backend(t: torch.Tensor) -> torch.Tensor:
-    if dist.get_backend() == "nccl" and t.device.type != "cuda":
-        return t.to(torch.device("cuda", torch.cuda.current_device()))
-    return t
-
-
-def _send(t: torch.Tensor, dst: int) -> None:
-    dist.send(_on_backend(_wire(t)), dst)
-
-
-def _recv(t: torch.Tensor, src: int) -> torch.Tensor:
-    wire = _wire(t)  # a view of t: t is contiguous
-    buf = _on_backend(wire)
-    dist.recv(buf, src)
-    if buf is not wire:
-        wire.copy_(buf)
-    return t
-
-
-def _broadcast(t: torch.Tensor, async_op: bool = False):
-    """From rank 0 to all; with async_op (rank 0 only) returns the pending work and the buffer it reads."""
-    wire = _wire(t)
-    buf = _on_backend(wire)
-    work = dist.broadcast(buf, src=0, async_op=async_op)
-    if async_op:
-        return work, buf
-    if buf is not wire:
-        wire.copy_(buf)
-    return None

@@ -8,7 +8,14 @@ next layer its inputs (GPTQ's error propagation). Under GPTQ a MoE layer's route
 layer: their inputs are recorded, and engine/experts.py decodes, solves and runs them a chunk at a time, split
 over the ranks. Activations live where engine/activations.py keeps them (device, host, or mapped files).
 
-This module is the layer loop and the dense work (Hessian hooks, GPTQ of attention and dense MLPs, AWQ).
+With several ranks under GPTQ the forwards are data parallel: rank 0 holds every sample's hidden states (it
+embeds, checkpoints and writes) and sends each rank its own samples' at the start of a layer; every rank runs
+the layer on its samples; the dense Hessians are added on rank 0 along a fixed tree (engine/hessians.py), which
+solves the dense Linears and sends back their quantized weights; each rank runs its samples through the
+quantized layer, and their outputs return to rank 0. Every sum is ordered by fixed groups of samples or
+experts, never by the number of ranks, so the bytes are those of one rank.
+
+This module is the layer loop and the dense work (GPTQ of attention and dense MLPs, AWQ).
 """
 
 import math
@@ -28,9 +35,11 @@ import torch
 from torch import nn
 
 from quantize import compute, kvcache, serving
+from quantize.engine import distributed
 from quantize.engine import experts as routed
 from quantize.engine.activations import ActivationStore, TokenBuffer, choose_offload, release_freed_memory
 from quantize.engine.awq_layer import awq_layer, takes_topk
+from quantize.engine.hessians import Hessians
 from quantize.engine.layer_state import CALIB_DIR, LayerCheckpoint, Resume, samples_key
 from quantize.errors import QuantizeError
 from quantize.quant import gptq, pack, rtn
@@ -122,6 +131,16 @@ class LayerwiseQuantizer:
         dist = torch.distributed
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
+        # data-parallel forwards (GPTQ): the samples this rank runs, and each rank's span of the token rows
+        self.dp = self.world > 1 and plan.recipe.method == "gptq"
+        ranks = range(self.world) if self.dp else range(1)
+        shares = [distributed.share(r, self.world, len(samples)) if self.dp else range(len(samples)) for r in ranks]
+        self.mine, self.shares = shares[self.rank] if self.dp else shares[0], shares
+        starts = [0]
+        for smp in samples:
+            starts.append(starts[-1] + smp.numel())
+        self.spans = [(starts[sh.start], starts[sh.stop]) for sh in shares]
+        self.worker = worker
         self.recipe, self.model, self.ckpt = plan.recipe, plan.model, plan.ckpt
         # what is written keeps the model's dtype; forwards and activations use the compute dtype (compute.py)
         self.dtype = plan.ckpt.dtype
@@ -153,7 +172,7 @@ class LayerwiseQuantizer:
         self._saver, self._saving = ThreadPoolExecutor(max_workers=1), None
         self.tokens = tokens
         if worker:
-            pass  # a rank > 0 holds no hidden states: it is sent each MoE layer's inputs
+            pass  # a rank > 0 holds only its samples' hidden states, sent by rank 0 at the start of each layer
         elif resume is not None:
             self._restore(resume)
         else:
@@ -241,16 +260,22 @@ class LayerwiseQuantizer:
         layer.eval()
         return layer
 
-    def _run(self, layer: nn.Module, i: int, advance: bool, after_sample: Callable[[], None] | None = None,
+    def _slot(self, s: int) -> int:
+        """Where sample s is in this rank's store (rank 0 holds all samples, the others their own)."""
+        return s - self.mine.start if self.worker else s
+
+    def _run(self, layer: nn.Module, i: int, advance: bool, before_sample: Callable[[int], None] | None = None,
              stop: "_StopWhenAllSeen | None" = None) -> None:
-        """The calibration samples through `layer`; with `advance`, each output replaces its input in place.
-        With `stop`, a sample's forward ends as soon as `stop` has seen all it waits for."""
+        """This rank's calibration samples through `layer`; with `advance`, each output replaces its input in
+        place. With `stop`, a sample's forward ends as soon as `stop` has seen all it waits for."""
         layer_type = (getattr(self.config, "layer_types", None) or [None] * (i + 1))[i]
         topk = takes_topk(layer)
         # inference mode, not just no_grad: ~12% less dispatch overhead per forward (measured on a SmolLM2 layer)
         with torch.inference_mode():
-            for s in range(len(self.hidden)):
-                h, pos = self.hidden[s], self.positions[s]
+            for s in self.mine:
+                if before_sample is not None:
+                    before_sample(s)
+                h, pos = self.hidden[self._slot(s)], self.positions[s]
                 mask, rotary = self._inputs(h, pos, layer_type)
                 kwargs = {"prev_topk_indices": self.carry[s]} if topk else {}
                 if stop is not None:
@@ -258,17 +283,13 @@ class LayerwiseQuantizer:
                 try:
                     y = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=rotary, **kwargs)
                 except _StopForward:
-                    if after_sample is not None:
-                        after_sample()
                     continue
                 if isinstance(y, tuple):
                     y, extra = y[0], y[1]
                     if advance:
                         self.carry[s] = extra
                 if advance:
-                    self.hidden[s] = y
-                if after_sample is not None:
-                    after_sample()
+                    self.hidden[self._slot(s)] = y
 
     def _inputs(self, h: torch.Tensor, pos: torch.Tensor, layer_type: str | None):
         """Attention mask and rotary embeddings of a sample, reused while samples keep the same length (a
@@ -305,32 +326,52 @@ class LayerwiseQuantizer:
         return self.recipe.method == "gptq" and any(".experts." in m for m in self._layer_targets(i))
 
     def _quantize_layer(self, i: int) -> None:
+        """Layer i on this rank: on rank 0 everything, on the others (data parallel GPTQ) their samples' forwards
+        and their experts, in the same order of exchanges."""
         t0 = time.perf_counter()
         targets = self._layer_targets(i)
+        if self.dp:
+            self._exchange_inputs()
         layer = self._build_layer(i)
         report = LayerReport(layer=i, seconds=0.0, modules=len(targets))
-        moe = None
+        moe, sending = None, []
         if self.recipe.method == "awq":
             awq_layer(self, layer, i, targets, report)
         else:
             moe = self._gptq_layer(layer, i, targets, report)
+            if moe is not None and self.rank != 0:
+                moe.solve()  # the others solve their experts while rank 0 solves the dense Linears
+            if self.dp:
+                sending = self._share_dense(layer, i, targets)
         self._wait_for_checkpoint()  # the previous layer's checkpoint still reads the activations about to change
         t1 = time.perf_counter()
         if moe is not None:
             moe.start_advance()
             self._deferred(layer).record = moe.record_advance
+        amax, mla = None, None
         if self.recipe.kv_cache:  # observed on the quantized layer, whose K and V are what serving caches
             mla = self.config.qk_nope_head_dim if hasattr(layer.self_attn, "kv_a_layernorm") else None
             with kvcache.observe(layer.self_attn, mla) as amax:
                 self._run(layer, i, advance=True)
-            self._kv_scales(i, amax, mla is not None, report)
         else:
             self._run(layer, i, advance=True)
         report.phases["forward"] = report.phases.get("forward", 0.0) + time.perf_counter() - t1
+        if moe is not None and self.rank == 0:
+            t2 = time.perf_counter()
+            moe.solve()
+            report.phases["experts"] = time.perf_counter() - t2
+        for work, _ in sending:
+            work.wait()
+        if self.dp:
+            self._exchange_outputs(layer, amax)
+        if amax is not None and self.rank == 0:
+            self._kv_scales(i, amax, mla is not None, report)
         if moe is not None:
             self._finish_experts(moe, i, targets, report)
         release_freed_memory()
         self.skeleton.model.layers[i] = nn.Module()  # drop the layer's weights
+        if self.rank != 0:
+            return
         report.seconds = time.perf_counter() - t0
         self.stats.layers.append(report)
         if self.checkpoint is not None:
@@ -339,6 +380,69 @@ class LayerwiseQuantizer:
                 self._wait_for_checkpoint()
         if self.on_layer:
             self.on_layer(report, self.model.num_hidden_layers)
+
+    # -- data parallel forwards: the samples' hidden states to their ranks and back, once per layer -------------
+    def _exchange_inputs(self) -> None:
+        """Rank 0 sends each rank the hidden states (and GLM-5's carried top-k indices) of its samples."""
+        for r in range(1, self.world):
+            for s in self.shares[r]:
+                if self.rank == 0:
+                    distributed.send(self.hidden[s], r)
+                    distributed.send_any(self.carry[s], r)
+                elif self.rank == r:
+                    h = distributed.recv(torch.empty(1, self.positions[s].shape[1], self.model.hidden_size,
+                                                     dtype=self.compute, device=self.device), 0)
+                    if self._slot(s) < len(self.hidden):
+                        self.hidden[self._slot(s)] = h
+                    else:
+                        self.hidden.append(h)
+                    self.carry[s] = distributed.recv_any(0, self.device)
+
+    def _exchange_outputs(self, layer: nn.Module, amax: "kvcache.Amax | None") -> None:
+        """The quantized layer's outputs of each rank's samples back to rank 0, with what K and V looked like
+        (their max, and the sampled values in sample order: rank by rank, each in order)."""
+        for r in range(1, self.world):
+            if self.rank not in (0, r):
+                continue
+            for s in self.shares[r]:
+                if self.rank == r:
+                    distributed.send(self.hidden[self._slot(s)], 0)
+                    distributed.send_any(self.carry[s], 0)
+                else:
+                    self.hidden[s] = distributed.recv(torch.empty(1, self.positions[s].shape[1],
+                                                                  self.model.hidden_size, dtype=self.compute,
+                                                                  device=self.device), r)
+                    self.carry[s] = distributed.recv_any(r, self.device)
+            if amax is None:
+                continue
+            for which in ("k", "v"):
+                if self.rank == r:
+                    distributed.send_any(getattr(amax, which), 0)
+                    values = amax.values[which]
+                    distributed.send_any(torch.cat(values) if values else None, 0)
+                else:
+                    m = distributed.recv_any(r, self.device)
+                    if m is not None:
+                        old = getattr(amax, which)
+                        setattr(amax, which, m if old is None else torch.maximum(old, m))
+                    values = distributed.recv_any(r, torch.device("cpu"))
+                    if values is not None:
+                        amax.values[which].append(values)
+
+    def _share_dense(self, layer: nn.Module, i: int, targets: dict[str, Entry]) -> list:
+        """Rank 0's quantized dense Linears (their dequantized weights, as the model computes with them) to the
+        other ranks, for their samples' pass through the quantized layer; rank 0 does not wait for them."""
+        modules = dict(layer.named_modules())
+        streamed = self._streams_experts(i)
+        names = sorted(m for m in targets if not (streamed and ".experts." in m))
+        sending = []
+        for m in names:
+            w = modules[m].weight.data
+            if self.rank == 0:
+                sending.append(distributed.broadcast(w, 0, async_op=True))
+            else:
+                distributed.broadcast(w, 0)
+        return sending
 
     @staticmethod
     def _deferred(layer: nn.Module) -> "routed.Deferred":
@@ -356,17 +460,19 @@ class LayerwiseQuantizer:
         prefix = f"{self.model.prefix}model.layers.{i}.mlp.experts."
         return routed.LayerExperts(setting, prefix, self.config.n_routed_experts, dict(by_expert), self.tokens,
                                    self.model.hidden_size, self.config.num_experts_per_tok, act_fn,
-                                   partial(TokenBuffer, self.stats.offload, self.device, self._tmp), self.on_expert)
+                                   partial(TokenBuffer, self.stats.offload, self.device, self._tmp), self.on_expert,
+                                   self.spans)
 
     def _finish_experts(self, moe: "routed.LayerExperts", i: int, targets: dict[str, Entry],
                         report: LayerReport) -> None:
-        """Rank 0, after the quantized layer's pass: this rank's experts solved, every routed output added to the
-        layer's outputs, every expert's result collected and recorded."""
-        t = time.perf_counter()
-        moe.share_advance()
-        moe.solve()
+        """After the quantized layer's pass and the experts' solves: every routed output added to the layer's
+        outputs (rank 0 holds them all), every expert's result collected and recorded on rank 0."""
         t1 = time.perf_counter()
+        moe.share_advance()
         y = moe.routed_output()
+        if self.rank != 0:
+            moe.collect()
+            return
         start = 0
         for s in range(len(self.hidden)):
             n = self.positions[s].numel()
@@ -397,7 +503,6 @@ class LayerwiseQuantizer:
             self.results[entry.tensor.name] = out
         if self.on_expert is not None:
             self.on_expert(self.config.n_routed_experts - 1, self.config.n_routed_experts)
-        report.phases["experts"] = t1 - t
         report.phases["routed_output_and_exchange"] = t2 - t1
 
     def _kv_scales(self, i: int, amax: kvcache.Amax, mla: bool, report: LayerReport) -> None:
@@ -409,14 +514,16 @@ class LayerwiseQuantizer:
 
     def _gptq_layer(self, layer: nn.Module, i: int, targets: dict[str, Entry],
                     report: LayerReport) -> "routed.LayerExperts | None":
-        """The calibration pass (dense Hessians, the routed experts' inputs), then GPTQ of the dense Linears.
-        Returns the layer's pending expert work, or None for a layer without routed targets."""
+        """The calibration pass (dense Hessians, the routed experts' inputs), then GPTQ of the dense Linears on
+        rank 0. Returns the layer's pending expert work, or None for a layer without routed targets."""
         t0 = time.perf_counter()
         modules = dict(layer.named_modules())
         moe = self._layer_experts(i, targets) if self._streams_experts(i) else None
         expert_targets = {m for m in targets if ".experts." in m} if moe is not None else set()
-        hessians = _Hessians(self.device)
         dense_targets = [m for m in targets if m not in expert_targets]
+        if not dense_targets and moe is None:
+            return None  # nothing to calibrate here: the layer only runs, in the quantized pass
+        hessians = Hessians(self.device, len(self.positions), self.rank if self.dp else 0, self.world if self.dp else 1)
         # the pass is only for the Hessians: once every target has seen its input, the rest of the layer (the
         # last down_proj, the shared experts when they are not quantized) is skipped
         stop = _StopWhenAllSeen([*dense_targets, *(["experts"] if moe is not None else [])])
@@ -427,25 +534,30 @@ class LayerwiseQuantizer:
                 moe.record_calibration(x, top_k_index, top_k_weights)
                 stop.seen("experts")
             self._deferred(layer).record = record
-        self._run(layer, i, advance=False, after_sample=hessians.next_sample, stop=stop)
-        hessians.flush()
+        self._run(layer, i, advance=False, before_sample=hessians.start_sample, stop=stop)
         for h in hooks:
             h.remove()
         t1 = time.perf_counter()
         report.phases["forward"] = t1 - t0
         if moe is not None:
             self._deferred(layer).record = None
-            moe.share_calibration()  # the other ranks start on their experts now
+            moe.share_calibration()  # every rank starts on its experts now
+        hessians.finish()  # on rank 0, added over all the ranks' samples
+        if self.rank != 0:
+            return moe
+        by_module = hessians.by_module()
         by_input: dict[int, list[str]] = defaultdict(list)  # q/k/v, gate/up: one Hessian, one stacked solve
-        for m in sorted(set(targets) - expert_targets):
-            by_input[id(hessians.by_module[m])].append(m)
+        for m in sorted(dense_targets):
+            by_input[id(by_module[m])].append(m)
+        del hessians
         for names in by_input.values():
-            H = hessians.by_module[names[0]]
+            H = by_module[names[0]]
             done = self._quantize_stacked([modules[m].weight.data for m in names], H)
             for m, result in zip(names, done, strict=True):
                 self._commit(modules[m], targets[m], *result, report)
+            del H
             release_freed_memory()
-        hessians.by_module.clear()
+        by_module.clear()
         report.phases["dense"] = time.perf_counter() - t1
         return moe
 
@@ -496,17 +608,10 @@ class LayerwiseQuantizer:
         release_freed_memory()
 
     def run_worker(self) -> None:
-        """Rank > 0: its share of every MoE layer's routed experts; rank 0 does everything else and writes."""
+        """Rank > 0: its samples' forwards and its share of the routed experts, layer by layer; rank 0 solves the
+        dense Linears and writes."""
         for i in range(self.next_layer, self.model.num_hidden_layers):
-            if not self._streams_experts(i):
-                continue
-            moe = self._layer_experts(i, self._layer_targets(i))
-            moe.share_calibration()
-            moe.solve()
-            moe.share_advance()
-            moe.routed_output()
-            moe.collect()
-            release_freed_memory()
+            self._quantize_layer(i)
 
 
 def _check_checkpoint_space(partial: Path, plan: Plan, samples: list[torch.Tensor], dtype: torch.dtype) -> None:
@@ -541,52 +646,6 @@ class _StopWhenAllSeen:
         self.seen(name)
 
 
-class _Hessians:
-    """One Hessian per distinct input: Linears fed the very same tensor (q/k/v, gate/up) share one, so each
-    input's x^T x is computed once per sample. Inputs wait until gptq.BATCH_ROWS of them can go in one product;
-    `flush` adds what is left."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.by_module: dict[str, torch.Tensor] = {}
-        self._seen: dict[int, tuple[torch.Tensor, str]] = {}  # id -> (input kept alive, first module fed it)
-        self._pending: dict[str, tuple[list[torch.Tensor], int]] = {}  # first module of an H -> (inputs, rows)
-
-    def hook(self, name: str, _module: nn.Module, args: tuple) -> None:
-        x = args[0]
-        first = self._seen.get(id(x))
-        if name not in self.by_module:
-            if first is not None:
-                self.by_module[name] = self.by_module[first[1]]
-            else:
-                with torch.inference_mode(False):  # GPTQ updates it in place later, outside the forward's inference mode
-                    self.by_module[name] = torch.zeros(x.shape[-1], x.shape[-1], dtype=torch.float32, device=self.device)
-        if first is None:
-            self._seen[id(x)] = (x, name)
-            self._add(name, x)
-        elif self.by_module[name] is not self.by_module[first[1]]:
-            self._add(name, x)
-
-    def _add(self, name: str, x: torch.Tensor) -> None:
-        xs, rows = self._pending.get(name, ([], 0))
-        xs.append(x)
-        rows += x.numel() // x.shape[-1]
-        self._pending[name] = (xs, rows)
-        if rows >= gptq.BATCH_ROWS:
-            self._flush(name)
-
-    def _flush(self, name: str) -> None:
-        xs, _ = self._pending.pop(name)
-        gptq.add_batch(self.by_module[name], torch.cat([x.reshape(-1, x.shape[-1]) for x in xs]))
-
-    def flush(self) -> None:
-        for name in list(self._pending):
-            self._flush(name)
-
-    def next_sample(self) -> None:
-        self._seen.clear()
-
-
 class Calibrated:
     """The `calibrated` hook of stream.run: builds the LayerwiseQuantizer once the destination is ready.
 
@@ -608,26 +667,23 @@ class Calibrated:
     def __call__(self, partial: Path, finished: Callable[[], set[str]]) -> Callable[[Entry], list[torch.Tensor] | None]:
         """The producer for stream.run, which converts into `partial`; `finished()` names the tensors of the
         output shards finished so far. Continues from the layer checkpoint in `partial` when there is one."""
-        from quantize.engine import distributed
-
         plan, samples, device, offload = self.args
         checkpoint = LayerCheckpoint(partial / CALIB_DIR, samples_key(samples, device, self.compute))
         resume = checkpoint.load()
         _check_checkpoint_space(partial, plan, samples, self.compute)
         if len(self.devices) > 1 and not torch.distributed.is_initialized():
             job = distributed.Job(str(plan.ckpt.root), plan.recipe.to_dict(), 1 << 62,
-                                  [s[0].tolist() for s in samples], self.devices, offload, plan.ckpt.allow_nonfinite,
-                                  start_layer=resume.next_layer if resume else 0,
-                                  compute_dtype=str(self.compute).removeprefix("torch."))
+                                  [s[0].tolist() for s in samples], self.devices, offload, plan.ckpt.allow_nonfinite)
             self._ranks = distributed.spawn(job, run_rank)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # spawned or under torchrun alike: where rank 0 resumes from, and how it computes
+            distributed.agree([resume.next_layer if resume else 0, distributed.dtype_code(self.compute)])
         self.quantizer = LayerwiseQuantizer(plan, samples, device, offload, on_layer=self.on_layer,
                                             on_expert=self.on_expert, checkpoint=checkpoint, resume=resume,
                                             finished=finished, compute_dtype=self.compute)
         return self.quantizer.produce
 
     def close(self, ok: bool = True) -> None:
-        from quantize.engine import distributed
-
         if self.quantizer is not None:
             self.quantizer.close()
         if self._ranks is not None:
@@ -636,17 +692,18 @@ class Calibrated:
 
 def run_rank(job, device: torch.device) -> None:
     """A rank > 0 (engine/distributed.py's Job): the same plan and samples as rank 0, then its share of every
-    MoE layer's routed experts. It embeds nothing and holds no hidden states."""
+    layer's work, from the layer rank 0 resumes from. It embeds nothing and holds only its samples' states."""
     from quantize import recipe
     from quantize.checkpoint import Checkpoint
     from quantize.tensor_plan import build
 
+    start_layer, dtype = distributed.agree([0, 0])
     plan = build(Checkpoint(Path(job.src), job.allow_nonfinite), recipe.from_dict(job.recipe, "rank job"),
                  job.max_shard_size)
     samples = [torch.tensor([ids], dtype=torch.long) for ids in job.samples]
-    compute_dtype = None if job.compute_dtype == "auto" else getattr(torch, job.compute_dtype)
-    q = LayerwiseQuantizer(plan, samples, device, job.offload, compute_dtype=compute_dtype, worker=True)
-    q.next_layer = job.start_layer
+    q = LayerwiseQuantizer(plan, samples, device, job.offload, compute_dtype=distributed.code_dtype(dtype),
+                           worker=True)
+    q.next_layer = start_layer
     try:
         q.run_worker()
     finally:
