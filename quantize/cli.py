@@ -137,21 +137,18 @@ def _samples(folder: Path, r, trust_remote_code: bool):
     return calib.load_samples(c.data, calib.load_tokenizer(folder, trust_remote_code), c.num_samples, c.seq_len, c.seed)
 
 
-def _torchrun_rank(src: str, r, dev: str, offload: str, trust_remote_code: bool) -> None:
-    """A rank > 0 under torchrun: the same plan and samples as rank 0, then its share of each layer."""
+def _torchrun_rank(src: str, r, dev: str, offload: str, allow_nonfinite: bool) -> None:
+    """A rank > 0 under torchrun: the same plan as rank 0, rank 0's samples, then its share of each layer."""
     import torch
 
-    from quantize.engine import distributed
-    from quantize.engine.layerwise import run_rank
+    from quantize.engine.layerwise import rank_job, run_rank
 
     folder, _ = hub.resolve(src)
-    job = distributed.Job(str(folder), r.to_dict(), 1 << 62, [s[0].tolist() for s in _samples(folder, r, trust_remote_code)],
-                          [dev], offload)
-    run_rank(job, torch.device(dev))
+    run_rank(rank_job(folder, r, [dev], offload, allow_nonfinite), torch.device(dev))
 
 
 def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_code: bool, bar: Progress,
-                 devices: list[str], compute_dtype: str):
+                 devices: list[str], compute_dtype: str, launch=None):
     """The layerwise engine hook for stream.run, with a progress task per layer."""
     import torch
 
@@ -176,7 +173,7 @@ def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_cod
         bar.update(experts, completed=e + 1, total=total, visible=True, description=f"expert {e + 1}/{total}")
 
     calibrated = Calibrated(plan, samples, torch.device(dev), offload, on_layer=on_layer, devices=devices,
-                            on_expert=on_expert, compute_dtype=compute_dtype)
+                            on_expert=on_expert, compute_dtype=compute_dtype, launch=launch)
     err.print(f"layer forwards in {compute.describe(plan.ckpt.dtype, calibrated.compute, dev)}", highlight=False)
     return calibrated
 
@@ -359,7 +356,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
       quantize convert zai-org/GLM-4.6 out/glm-int4 --recipe recipes/glm-w4a16.yaml --resume
       quantize convert zai-org/GLM-5 out/glm5-int4 --recipe recipes/glm-w4a16.yaml --prefill-out out/glm5-fp8
     """
-    calibrated, ok, distributed = None, False, None
+    calibrated, ok, distributed, launch = None, False, None, None
     device_list = [d.strip() for d in devices.split(",")] if devices else []
     try:
         if device_list:
@@ -391,10 +388,14 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             raise click.UsageError(f"{ranks} ranks: at most {distributed.GROUPS} share a conversion (the work is "
                                    f"split in {distributed.GROUPS} fixed groups); use fewer devices")
         if distributed.launched_by_torchrun() and distributed.init_torchrun(dev) != 0:
-            _torchrun_rank(src, r, dev, offload, trust_remote_code)
+            _torchrun_rank(src, r, dev, offload, allow_nonfinite)
             return
         folder, info = hub.resolve(src)
         check_apart(folder, {"OUT": out_path} | ({"--prefill-out": Path(prefill_out)} if prefill_out else {}))
+        if len(device_list) > 1:  # the other ranks start now: their imports overlap the planning below
+            from quantize.engine.layerwise import rank_job, run_rank
+
+            launch = distributed.Launch(rank_job(folder, r, device_list, offload, allow_nonfinite), run_rank)
         ckpt = Checkpoint(folder, allow_nonfinite)
         plan = tensor_plan.build(ckpt, r, max_shard_size, tp=tp, workers=workers, device=dev)
         prefill = None
@@ -427,7 +428,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             task = bar.add_task("converting", total=plan.src_bytes, bytes=True)
             if r.method != "rtn":
                 calibrated = _calibration(plan, folder, r, dev, offload, trust_remote_code, bar, device_list,
-                                          compute_dtype)
+                                          compute_dtype, launch)
             result = stream.run(
                 plan, out_path, device=dev, workers=workers, resume=resume, overwrite=overwrite, source_info=info,
                 progress=lambda done, total: bar.update(task, completed=done, total=total), calibrated=calibrated,
@@ -442,6 +443,8 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
     finally:
         if calibrated is not None:
             calibrated.close(ok)
+        elif launch is not None:
+            launch.close()
         if distributed is not None and distributed.launched_by_torchrun():
             distributed.finish(None)
     report = {

@@ -13,6 +13,9 @@ this module imports no engine.
 
 import os
 import socket
+import sys
+import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -127,6 +130,18 @@ def agree(values: list[int]) -> list[int]:
     return t.tolist()
 
 
+def share_samples(samples: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """Rank 0's calibration samples (token ids [1, n] each) on every rank (the others pass None): they neither
+    load a tokenizer nor read the calibration data."""
+    n = agree([len(samples) if samples is not None else 0])[0]
+    lengths = torch.tensor([s.shape[1] for s in samples] if samples is not None else [0] * n, dtype=torch.int64)
+    broadcast(lengths, 0)
+    ids = (torch.cat([s.reshape(-1).to("cpu", torch.int64) for s in samples]) if samples is not None
+           else torch.empty(int(lengths.sum()), dtype=torch.int64))
+    broadcast(ids, 0)
+    return samples if samples is not None else [t.reshape(1, -1) for t in ids.split(lengths.tolist())]
+
+
 def send_text(text: str, dst: int) -> None:
     data = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.empty(0, dtype=torch.uint8)
     send_any(data, dst)
@@ -138,12 +153,12 @@ def recv_text(src: int) -> str:
 
 @dataclass
 class Job:
-    """What a rank needs to rebuild rank 0's plan and samples exactly."""
+    """What a rank needs to rebuild rank 0's plan exactly (the samples and where to start come from rank 0 once
+    it is ready: share_samples, agree)."""
 
     src: str
     recipe: dict
     max_shard_size: int
-    samples: list[list[int]]
     devices: list[str]
     offload: str
     allow_nonfinite: bool = False
@@ -185,12 +200,49 @@ def init_torchrun(device: str) -> int:
 
 def spawn(job: Job, run: Callable[[Job, torch.device], None]) -> mp.ProcessContext:
     """Start ranks 1.. for job.devices[1:], each calling run(job, its device), and join the group as rank 0."""
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    world = len(job.devices)
-    ctx = mp.start_processes(_worker_main, args=(world, init, job, run), nprocs=world - 1, join=False,
-                             start_method="spawn")
-    _init(0, world, job.devices[0], init, job.devices)
-    return ctx
+    return Launch(job, run).join()
+
+
+class Launch:
+    """Ranks 1.. started in the background: a rank needs seconds to import torch and transformers' model code
+    and to plan, which rank 0 spends planning and tokenizing meanwhile (on the MoE bench, 2.6 s of 27 that
+    rank 0 waited). `join` when the ranks are needed; `close` if they never were."""
+
+    def __init__(self, job: Job, run: Callable[[Job, torch.device], None]):
+        first = job.devices[0]
+        if first.startswith("cuda"):
+            torch.cuda.set_device(torch.device(first))
+        else:
+            share_cores(job.devices)  # here: OpenMP's thread count is the calling thread's
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        world = len(job.devices)
+        # from this thread: torch.multiprocessing's children get SIGINT when the thread that started them ends
+        self._out: dict = {"ctx": mp.start_processes(_worker_main, args=(world, init, job, run), nprocs=world - 1,
+                                                     join=False, start_method="spawn")}
+        backend = "nccl" if first.startswith("cuda") else "gloo"
+        self._thread = threading.Thread(target=self._start, args=(backend, init, world), daemon=True)
+        self._thread.start()
+
+    def _start(self, backend: str, init: str, world: int) -> None:
+        try:
+            dist.init_process_group(backend, init_method=init, rank=0, world_size=world)
+        except BaseException as e:  # raised in the caller's thread, by join
+            self._out["error"] = e
+
+    def join(self) -> mp.ProcessContext:
+        self._thread.join()
+        if "error" in self._out:
+            ctx = self._out.get("ctx")
+            if ctx is not None:
+                for p in ctx.processes:
+                    p.terminate()
+            raise self._out["error"]
+        return self._out["ctx"]
+
+    def close(self) -> None:
+        """The ranks were started but never given work (rank 0 failed or had nothing to calibrate): stop them."""
+        self._thread.join()
+        finish(self._out.get("ctx"), ok=False)
 
 
 def finish(ctx: mp.ProcessContext | None, ok: bool = True) -> None:
@@ -210,5 +262,10 @@ def _worker_main(index: int, world: int, init: str, job: Job, run: Callable[[Job
     _init(rank, world, job.devices[rank], init, job.devices)
     try:
         run(job, torch.device(job.devices[rank]))
+    except Exception:
+        # torch.multiprocessing keeps a child's traceback for a join that rank 0 never makes (it learns of the
+        # failure as a closed connection): say here what went wrong
+        print(f"rank {rank} ({job.devices[rank]}) failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
     finally:
         dist.destroy_process_group()

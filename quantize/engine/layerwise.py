@@ -649,12 +649,14 @@ class _StopWhenAllSeen:
 class Calibrated:
     """The `calibrated` hook of stream.run: builds the LayerwiseQuantizer once the destination is ready.
 
-    With `devices` of more than one entry, ranks 1.. are spawned for devices[1:] (engine/distributed.py) and
-    this process is rank 0 on devices[0]."""
+    With `devices` of more than one entry, ranks 1.. run on devices[1:] (engine/distributed.py) and this process
+    is rank 0 on devices[0]; `launch`, when given, has started them already (the CLI does so before planning)."""
 
     def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device, offload: str = "auto",
                  on_layer: Callable[[LayerReport, int], None] | None = None, devices: list[str] | None = None,
-                 on_expert: Callable[[int, int], None] | None = None, compute_dtype: str = "auto"):
+                 on_expert: Callable[[int, int], None] | None = None, compute_dtype: str = "auto",
+                 launch: "distributed.Launch | None" = None):
+        self._launch, self._ranks = launch, None
         self.compute = compute.choose(plan.ckpt.dtype, device, compute_dtype)
         self.cpu_capability = compute.cpu_capability() if device.type == "cpu" else None
         check_layer_memory(plan, device, self.compute)  # before OUT.partial exists: a refusal leaves nothing
@@ -662,7 +664,6 @@ class Calibrated:
         self.on_layer, self.on_expert = on_layer, on_expert
         self.devices = devices or []
         self.quantizer: LayerwiseQuantizer | None = None
-        self._ranks = None
 
     def __call__(self, partial: Path, finished: Callable[[], set[str]]) -> Callable[[Entry], list[torch.Tensor] | None]:
         """The producer for stream.run, which converts into `partial`; `finished()` names the tensors of the
@@ -671,13 +672,15 @@ class Calibrated:
         checkpoint = LayerCheckpoint(partial / CALIB_DIR, samples_key(samples, device, self.compute))
         resume = checkpoint.load()
         _check_checkpoint_space(partial, plan, samples, self.compute)
-        if len(self.devices) > 1 and not torch.distributed.is_initialized():
-            job = distributed.Job(str(plan.ckpt.root), plan.recipe.to_dict(), 1 << 62,
-                                  [s[0].tolist() for s in samples], self.devices, offload, plan.ckpt.allow_nonfinite)
-            self._ranks = distributed.spawn(job, run_rank)
+        if len(self.devices) > 1 and not torch.distributed.is_initialized() and self._launch is None:
+            self._launch = distributed.Launch(rank_job(plan.ckpt.root, plan.recipe, self.devices, offload,
+                                                        plan.ckpt.allow_nonfinite), run_rank)
+        if self._launch is not None:
+            self._ranks = self._launch.join()
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            # spawned or under torchrun alike: where rank 0 resumes from, and how it computes
+            # spawned or under torchrun alike: where rank 0 resumes from, how it computes, and what
             distributed.agree([resume.next_layer if resume else 0, distributed.dtype_code(self.compute)])
+            distributed.share_samples(samples)
         self.quantizer = LayerwiseQuantizer(plan, samples, device, offload, on_layer=self.on_layer,
                                             on_expert=self.on_expert, checkpoint=checkpoint, resume=resume,
                                             finished=finished, compute_dtype=self.compute)
@@ -688,19 +691,27 @@ class Calibrated:
             self.quantizer.close()
         if self._ranks is not None:
             distributed.finish(self._ranks, ok)
+        elif self._launch is not None:
+            self._launch.close()  # started, never given work
+
+
+def rank_job(src: Path, recipe, devices: list[str], offload: str, allow_nonfinite: bool = False):
+    """The Job of ranks 1.. (the CLI makes it before planning, to start them early)."""
+    return distributed.Job(str(src), recipe.to_dict(), 1 << 62, devices, offload, allow_nonfinite)
 
 
 def run_rank(job, device: torch.device) -> None:
-    """A rank > 0 (engine/distributed.py's Job): the same plan and samples as rank 0, then its share of every
-    layer's work, from the layer rank 0 resumes from. It embeds nothing and holds only its samples' states."""
+    """A rank > 0 (engine/distributed.py's Job): the same plan as rank 0 and rank 0's samples, then its share of
+    every layer's work, from the layer rank 0 resumes from. It embeds nothing and holds only its samples' states."""
     from quantize import recipe
     from quantize.checkpoint import Checkpoint
     from quantize.tensor_plan import build
 
-    start_layer, dtype = distributed.agree([0, 0])
     plan = build(Checkpoint(Path(job.src), job.allow_nonfinite), recipe.from_dict(job.recipe, "rank job"),
                  job.max_shard_size)
-    samples = [torch.tensor([ids], dtype=torch.long) for ids in job.samples]
+    plan.model.causal_lm_class()  # transformers' model code imports (seconds) while rank 0 still plans
+    start_layer, dtype = distributed.agree([0, 0])
+    samples = distributed.share_samples(None)
     q = LayerwiseQuantizer(plan, samples, device, job.offload, compute_dtype=distributed.code_dtype(dtype),
                            worker=True)
     q.next_layer = start_layer
