@@ -170,12 +170,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def share_cores(devices: list[str]) -> None:
+def cores_per_rank(cpu_ranks: int) -> int:
     """Ranks on the CPU split its cores: each with all of them would run 2N threads on N cores, slower than one
     rank (2 CPU ranks on 2 cores: 20.2 s against 18.0 s for one, measured)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, cpu_ranks))
+
+
+def share_cores(devices: list[str]) -> None:
     cpu_ranks = sum(1 for d in devices if not d.startswith("cuda"))
     if cpu_ranks > 1:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // cpu_ranks))
+        torch.set_num_threads(cores_per_rank(cpu_ranks))
 
 
 def _init(rank: int, world: int, device: str, init_method: str | None = None, devices: list[str] | None = None) -> None:
@@ -209,11 +213,11 @@ class Launch:
     rank 0 waited). `join` when the ranks are needed; `close` if they never were."""
 
     def __init__(self, job: Job, run: Callable[[Job, torch.device], None]):
+        # rank 0 keeps its cores for planning, writing and verifying: its calibration threads take their share
+        # (layerwise.LayerwiseQuantizer.threads)
         first = job.devices[0]
         if first.startswith("cuda"):
             torch.cuda.set_device(torch.device(first))
-        else:
-            share_cores(job.devices)  # here: OpenMP's thread count is the calling thread's
         init = f"tcp://127.0.0.1:{_free_port()}"
         world = len(job.devices)
         # from this thread: torch.multiprocessing's children get SIGINT when the thread that started them ends

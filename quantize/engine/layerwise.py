@@ -19,6 +19,7 @@ This module is the layer loop and the dense work (GPTQ of attention and dense ML
 """
 
 import math
+import os
 import shutil
 import tempfile
 import threading
@@ -126,11 +127,13 @@ class LayerwiseQuantizer:
         self.written = finished()  # tensors of shards finished before a resume: not kept if recomputed
         self.lock = threading.Lock()
         # OpenMP's thread count is per calling thread: the writer threads that call `produce` must be given the
-        # count set for this rank (distributed.share_cores), or two CPU ranks run three threads on two cores
-        self.threads = torch.get_num_threads()
+        # count of this rank (distributed.cores_per_rank), or two CPU ranks run three threads on two cores
         dist = torch.distributed
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
+        self.threads = torch.get_num_threads()
+        if self.world > 1 and device.type == "cpu":  # CPU ranks on one machine split its cores
+            self.threads = distributed.cores_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         # data-parallel forwards (GPTQ): the samples this rank runs, and each rank's span of the token rows
         self.dp = self.world > 1 and plan.recipe.method == "gptq"
         ranks = range(self.world) if self.dp else range(1)
