@@ -202,15 +202,11 @@ def init_torchrun(device: str) -> int:
     return dist.get_rank()
 
 
-def spawn(job: Job, run: Callable[[Job, torch.device], None]) -> mp.ProcessContext:
-    """Start ranks 1.. for job.devices[1:], each calling run(job, its device), and join the group as rank 0."""
-    return Launch(job, run).join()
-
-
 class Launch:
-    """Ranks 1.. started in the background: a rank needs seconds to import torch and transformers' model code
-    and to plan, which rank 0 spends planning and tokenizing meanwhile (on the MoE bench, 2.6 s of 27 that
-    rank 0 waited). `join` when the ranks are needed; `close` if they never were."""
+    """Ranks 1.. for job.devices[1:], each calling run(job, its device), started in the background: a rank needs
+    seconds to import torch and transformers' model code and to plan, which rank 0 spends planning and tokenizing
+    meanwhile (on the MoE bench, 2.6 s of 27 that rank 0 waited). `join` when the ranks are needed; `close` if
+    they never were."""
 
     def __init__(self, job: Job, run: Callable[[Job, torch.device], None]):
         # rank 0 keeps its cores for planning, writing and verifying: its calibration threads take their share

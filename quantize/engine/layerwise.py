@@ -18,6 +18,7 @@ experts, never by the number of ranks, so the bytes are those of one rank.
 This module is the layer loop and the dense work (GPTQ of attention and dense MLPs, AWQ).
 """
 
+import itertools
 import math
 import os
 import shutil
@@ -136,13 +137,11 @@ class LayerwiseQuantizer:
             self.threads = distributed.cores_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
         # data-parallel forwards (GPTQ): the samples this rank runs, and each rank's span of the token rows
         self.dp = self.world > 1 and plan.recipe.method == "gptq"
-        ranks = range(self.world) if self.dp else range(1)
-        shares = [distributed.share(r, self.world, len(samples)) if self.dp else range(len(samples)) for r in ranks]
-        self.mine, self.shares = shares[self.rank] if self.dp else shares[0], shares
-        starts = [0]
-        for smp in samples:
-            starts.append(starts[-1] + smp.numel())
-        self.spans = [(starts[sh.start], starts[sh.stop]) for sh in shares]
+        n = len(samples)
+        self.shares = [distributed.share(r, self.world, n) for r in range(self.world)] if self.dp else [range(n)]
+        self.mine = self.shares[self.rank if self.dp else 0]
+        starts = [0, *itertools.accumulate(smp.numel() for smp in samples)]
+        self.spans = [(starts[sh.start], starts[sh.stop]) for sh in self.shares]
         self.worker = worker
         self.recipe, self.model, self.ckpt = plan.recipe, plan.model, plan.ckpt
         # what is written keeps the model's dtype; forwards and activations use the compute dtype (compute.py)
@@ -328,6 +327,11 @@ class LayerwiseQuantizer:
         """Whether layer i's routed experts are GPTQ targets, solved by engine/experts.py."""
         return self.recipe.method == "gptq" and any(".experts." in m for m in self._layer_targets(i))
 
+    def _dense_targets(self, i: int, targets: dict[str, Entry]) -> list[str]:
+        """Layer i's targets that GPTQ solves in the layer (all but the routed experts engine/experts.py solves)."""
+        streamed = self._streams_experts(i)
+        return [m for m in targets if not (streamed and ".experts." in m)]
+
     def _quantize_layer(self, i: int) -> None:
         """Layer i on this rank: on rank 0 everything, on the others (data parallel GPTQ) their samples' forwards
         and their experts, in the same order of exchanges."""
@@ -366,7 +370,7 @@ class LayerwiseQuantizer:
         for work, _ in sending:
             work.wait()
         if self.dp:
-            self._exchange_outputs(layer, amax)
+            self._exchange_outputs(amax)
         if amax is not None and self.rank == 0:
             self._kv_scales(i, amax, mla is not None, report)
         if moe is not None:
@@ -393,15 +397,18 @@ class LayerwiseQuantizer:
                     distributed.send(self.hidden[s], r)
                     distributed.send_any(self.carry[s], r)
                 elif self.rank == r:
-                    h = distributed.recv(torch.empty(1, self.positions[s].shape[1], self.model.hidden_size,
-                                                     dtype=self.compute, device=self.device), 0)
+                    h = distributed.recv(self._empty_hidden(s), 0)
                     if self._slot(s) < len(self.hidden):
                         self.hidden[self._slot(s)] = h
                     else:
                         self.hidden.append(h)
                     self.carry[s] = distributed.recv_any(0, self.device)
 
-    def _exchange_outputs(self, layer: nn.Module, amax: "kvcache.Amax | None") -> None:
+    def _empty_hidden(self, s: int) -> torch.Tensor:
+        return torch.empty(1, self.positions[s].shape[1], self.model.hidden_size, dtype=self.compute,
+                           device=self.device)
+
+    def _exchange_outputs(self, amax: "kvcache.Amax | None") -> None:
         """The quantized layer's outputs of each rank's samples back to rank 0, with what K and V looked like
         (their max, and the sampled values in sample order: rank by rank, each in order)."""
         for r in range(1, self.world):
@@ -412,9 +419,7 @@ class LayerwiseQuantizer:
                     distributed.send(self.hidden[self._slot(s)], 0)
                     distributed.send_any(self.carry[s], 0)
                 else:
-                    self.hidden[s] = distributed.recv(torch.empty(1, self.positions[s].shape[1],
-                                                                  self.model.hidden_size, dtype=self.compute,
-                                                                  device=self.device), r)
+                    self.hidden[s] = distributed.recv(self._empty_hidden(s), r)
                     self.carry[s] = distributed.recv_any(r, self.device)
             if amax is None:
                 continue
@@ -436,10 +441,8 @@ class LayerwiseQuantizer:
         """Rank 0's quantized dense Linears (their dequantized weights, as the model computes with them) to the
         other ranks, for their samples' pass through the quantized layer; rank 0 does not wait for them."""
         modules = dict(layer.named_modules())
-        streamed = self._streams_experts(i)
-        names = sorted(m for m in targets if not (streamed and ".experts." in m))
         sending = []
-        for m in names:
+        for m in sorted(self._dense_targets(i, targets)):
             w = modules[m].weight.data
             if self.rank == 0:
                 sending.append(distributed.broadcast(w, 0, async_op=True))
@@ -522,8 +525,7 @@ class LayerwiseQuantizer:
         t0 = time.perf_counter()
         modules = dict(layer.named_modules())
         moe = self._layer_experts(i, targets) if self._streams_experts(i) else None
-        expert_targets = {m for m in targets if ".experts." in m} if moe is not None else set()
-        dense_targets = [m for m in targets if m not in expert_targets]
+        dense_targets = self._dense_targets(i, targets)
         if not dense_targets and moe is None:
             return None  # nothing to calibrate here: the layer only runs, in the quantized pass
         hessians = Hessians(self.device, len(self.positions), self.rank if self.dp else 0, self.world if self.dp else 1)

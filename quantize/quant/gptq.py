@@ -8,7 +8,6 @@ descending Hessian diagonal while every column keeps its own group, so no g_idx 
 """
 
 import contextlib
-from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -39,23 +38,6 @@ def add_batch(H: torch.Tensor, x: torch.Tensor) -> int:
 # to 0.58 s per layer (2048: 0.66 s, and more memory). An expert that gets ~10 routed tokens per sample would
 # otherwise cost one pass over its whole [in, in] H (205 MB at 7168 wide) per sample.
 BATCH_ROWS = 1024
-
-
-def batched_rows(xs: Iterable[torch.Tensor], rows: int = BATCH_ROWS) -> Iterator[torch.Tensor]:
-    """Consecutive inputs [..., in] joined into [n, in] batches of at least `rows` rows (the last may have fewer),
-    in order: what add_batch should be given."""
-    pending, n = [], 0
-    for x in xs:
-        x = x.reshape(-1, x.shape[-1])
-        if x.shape[0] == 0:
-            continue
-        pending.append(x)
-        n += x.shape[0]
-        if n >= rows:
-            yield torch.cat(pending) if len(pending) > 1 else pending[0]
-            pending, n = [], 0
-    if pending:
-        yield torch.cat(pending) if len(pending) > 1 else pending[0]
 
 
 def mirror_upper(H: torch.Tensor) -> torch.Tensor:
