@@ -55,6 +55,11 @@ class BytesOnly(ProgressColumn):
         return self.inner.render(task) if task.fields.get("bytes") else Text("")
 
 
+def _cores() -> int:
+    """compute.cores, without importing torch: --help and path errors must not wait for it."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def parse_size(_ctx, _param, value: str) -> int:
     m = SIZE.match(value)
     if not m:
@@ -312,7 +317,7 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--devices", help="gptq: one rank per device (cuda:0,cuda:1,... or cpu,cpu, at most 16); the "
               "calibration samples and the routed experts are split over them, and the bytes are those of one rank.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size, help="Largest output shard.")
-@click.option("--workers", default=lambda: min(8, os.cpu_count() or 1), show_default="CPU cores, at most 8",
+@click.option("--workers", default=lambda: min(8, _cores()), show_default="CPU cores, at most 8",
               type=click.IntRange(1, 64), help="Tensors converted at once (threads); memory grows with it.")
 @click.option("--tp", type=click.IntRange(1, 64), help="Refuse unless the output serves at this tensor-parallel size.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT (and any interrupted OUT.partial).")
@@ -514,7 +519,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
 @click.argument("out_dir", metavar="OUT")
 @click.option("--source", help="The source checkpoint (Hub id or folder), for --deep.")
 @click.option("--deep", is_flag=True, help="Dequantize every packed weight and compare it with the source's.")
-@click.option("--workers", default=lambda: min(8, os.cpu_count() or 1), show_default="CPU cores, at most 8",
+@click.option("--workers", default=lambda: min(8, _cores()), show_default="CPU cores, at most 8",
               type=click.IntRange(1, 64), help="Files hashed at once.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def verify(out_dir, source, deep, workers, as_json):

@@ -7,9 +7,17 @@ exactly, so the weights are the same numbers, and the weights that get quantized
 dtype first, so that RTN's scales stay those of compressed-tensors. Only the forwards' rounding differs.
 """
 
+import os
+
 import torch
 
 CHOICES = ("auto", "model", "float32")
+
+
+def cores() -> int:
+    """The CPU cores this process may run on: its affinity mask (taskset, a container's cpuset), which
+    os.cpu_count ignores."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def cpu_capability() -> str:

@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -583,14 +584,18 @@ def bench_moe_ranks(args) -> dict:
     trees = {"new": Path(__file__).resolve().parents[1]}
     if args.old:
         trees["old"] = _old_tree(args.old, work)
+    # 1 rank on every core, 1 rank on one core (`taskset`: a rank of the 2-rank run has one core each, as each
+    # rank has one GPU), 2 ranks
+    one_core = ["taskset", "-c", str(min(os.sched_getaffinity(0)))] if shutil.which("taskset") else None
     for code, tree in trees.items():
-        for ranks, devices in ((1, "cpu"), (2, "cpu,cpu")):
-            if code == "old" and ranks == 2 and not args.old_ranks:
+        for ranks, devices, pin in ((1, "cpu", None), (2, "cpu,cpu", None), *([(1, "cpu", one_core)] if one_core else [])):
+            if code == "old" and (ranks == 2 and not args.old_ranks or pin):
                 continue
-            out = work / f"moe-ranks-{code}-{ranks}"
+            name = f"{code}_{ranks}" + ("_1_core" if pin else "")
+            out = work / f"moe-ranks-{name.replace('_', '-')}"
             fresh(out)
             prog = [sys.executable, "-c", OLD_PHASES] if code == "old" else [sys.executable, "-m", "quantize"]
-            measured, report, err = _convert_timed([*prog, *cmd(out, devices)], tree)
+            measured, report, err = _convert_timed([*(pin or []), *prog, *cmd(out, devices)], tree)
             cal = report["calibration"]
             row = {**measured, "seconds_per_layer": cal["seconds_per_layer"]}
             if code == "old":
@@ -600,8 +605,8 @@ def bench_moe_ranks(args) -> dict:
                 row["seconds_per_phase"] = cal["seconds_per_phase"]
                 row["routed_phase_per_layer"] = [p.get("experts", 0) + p.get("routed_output_and_exchange", 0)
                                                  for p in cal["seconds_per_phase"]][1:]
-            runs[f"{code}_{ranks}_rank"] = row
-            outs[f"{code}_{ranks}"] = out
+            runs[f"{code}_{ranks}_rank" + ("_1_core" if pin else "")] = row
+            outs[name] = out
     result = {
         "checkpoint": {"dims": dataclasses.asdict(dims), "moe_layers": args.moe_layers,
                        "source_bytes": sum(p.stat().st_size for p in src.glob("*.safetensors"))},
@@ -610,6 +615,9 @@ def bench_moe_ranks(args) -> dict:
         "two_ranks_speedup": runs["new_1_rank"]["seconds"] / runs["new_2_rank"]["seconds"],
         "two_ranks_bytes": compare_outputs(outs["new_1"], outs["new_2"]),
     }
+    if "new_1_1_core" in outs:
+        result["two_ranks_speedup_vs_one_core"] = runs["new_1_rank_1_core"]["seconds"] / runs["new_2_rank"]["seconds"]
+        result["one_core_bytes"] = compare_outputs(outs["new_1"], outs["new_1_1_core"])
     if args.old:
         new, old = runs["new_1_rank"]["routed_phase_per_layer"], runs["old_1_rank"]["routed_phase_per_layer"]
         result["old_revision"] = args.old

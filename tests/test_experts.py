@@ -110,3 +110,44 @@ def test_every_expert_is_solved_in_the_same_stack_on_any_number_of_ranks(monkeyp
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Tight)
     assert stacks(0, 1) == one
+
+
+def test_each_keeps_the_order_bounds_the_work_ahead_and_runs_each_worker_on_one_thread():
+    """Chunks of experts are solved on several threads at once on the CPU (experts.chunk_workers): the results
+    must come back in order (the routed output is summed expert by expert), at most `workers` ahead of the one
+    the caller waits for (memory), each worker on one torch thread, and the caller's thread count restored."""
+    import random
+    import threading
+    import time
+
+    threads_before = torch.get_num_threads()
+    lock, started, consumed, ahead, inner = threading.Lock(), [0], [0], [], set()
+
+    def fn(x):
+        with lock:
+            started[0] += 1
+            ahead.append(started[0] - consumed[0])
+        inner.add(torch.get_num_threads())
+        time.sleep(random.random() / 200)
+        return x * x
+
+    out = []
+    for y in experts.each(fn, range(20), 2):
+        with lock:
+            consumed[0] += 1
+        out.append(y)
+    assert out == [x * x for x in range(20)]
+    assert max(ahead) <= 3  # the one waited for, and `workers` more
+    assert inner == {1} and torch.get_num_threads() == threads_before
+    assert list(experts.each(fn, range(5), 1)) == [0, 1, 4, 9, 16]
+
+    def fails(x):
+        if x == 3:
+            raise ValueError("expert 3")
+        return x
+
+    import pytest
+
+    with pytest.raises(ValueError, match="expert 3"):
+        list(experts.each(fails, range(10), 2))
+    assert torch.get_num_threads() == threads_before

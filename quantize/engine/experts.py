@@ -21,7 +21,8 @@ Per layer, on every rank (the same code with one rank):
 """
 
 import math
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ from torch.nn import functional as F
 
 from quantize.engine.activations import TokenBuffer, release_freed_memory
 from quantize.engine.distributed import GROUPS, broadcast, expert_groups, group_members, recv, send
+from quantize.engine.ordered import in_order, single_threaded
 from quantize.quant import gptq, pack, rtn
 from quantize.tensor_plan import Entry
 
@@ -47,9 +49,32 @@ def expert_bytes(inter: int, hidden: int, dtype: torch.dtype) -> int:
     return 3 * inter * hidden * (dtype.itemsize + 12) + 3 * 4 * (hidden * hidden + inter * inter)
 
 
-def stack_size(inter: int, hidden: int, dtype: torch.dtype, device: torch.device) -> int:
-    """Experts solved as one stack: as many as CHUNK_BYTES holds, at most MAX_CHUNK, at least one."""
-    return max(1, min(MAX_CHUNK, CHUNK_BYTES[device.type == "cuda"] // expert_bytes(inter, hidden, dtype)))
+def stack_size(inter: int, hidden: int, dtype: torch.dtype, device: torch.device, workers: int = 1) -> int:
+    """Experts solved as one stack: as many as the `workers` stacks solved at once hold in CHUNK_BYTES, at most
+    MAX_CHUNK, at least one."""
+    fits = CHUNK_BYTES[device.type == "cuda"] // workers // expert_bytes(inter, hidden, dtype)
+    return max(1, min(MAX_CHUNK, fits))
+
+
+def each(fn: Callable, items: Iterable, workers: int) -> Iterator:
+    """fn of each item, in order: with several workers, on a pool whose threads run torch on one thread each
+    (chunk_workers), at most `workers` results ahead of the one the caller waits for (memory stays bounded)."""
+    if workers == 1:
+        yield from map(fn, items)
+        return
+    with single_threaded(workers) as pool:
+        yield from in_order(pool, fn, items, workers + 1)
+
+
+def chunk_workers(device: torch.device) -> int:
+    """Chunks of experts solved at once: on the CPU one per core of the rank, each on one thread; on a GPU one.
+
+    A chunk's small ops (GPTQ's column steps, [stack, out] each) are below ATen's grain and run on the calling
+    thread, while its mid-sized ones fork and join an OpenMP team per op; off the main thread (the engine runs
+    in a writer thread) that team is slow to wake: 8 experts of 1024 x 512 took 133 ms there against 97 on the
+    main thread, and 69 ms as two stacks of 4, each on one thread. One thread per chunk also keeps LAPACK's
+    Cholesky on one thread (gptq._thread_invariant), and the codes never depend on the stacks (test_gptq)."""
+    return max(1, torch.get_num_threads()) if device.type == "cpu" else 1
 
 
 class UnfusedExperts(nn.ModuleList):
@@ -170,6 +195,7 @@ class LayerExperts:
         self.results: dict[tuple[int, str], Result] = {}
         self.counts: list[int] = []
         self._filled = self.spans[s.rank][0]
+        self._progress, self._progress_lock, self._freed = -1, threading.Lock(), 0
 
     # -- what the layer's passes record (each rank, its own samples' tokens) --------------------------------
     def record_calibration(self, x: torch.Tensor, top_k_index: torch.Tensor, _weights: torch.Tensor) -> None:
@@ -208,7 +234,8 @@ class LayerExperts:
 
     # -- the solve -----------------------------------------------------------------------------------------
     def solve(self) -> None:
-        """GPTQ (or RTN for experts with too few tokens) of this rank's experts, a chunk at a time."""
+        """GPTQ (or RTN for experts with too few tokens) of this rank's experts, a chunk at a time, or on the CPU
+        a chunk per core at a time (`chunk_workers`)."""
         routing = route(self.idx_cal, self.n)
         self.counts = routing.counts
         work = [e for e in self.owned if self.targets.get(e)]
@@ -218,34 +245,56 @@ class LayerExperts:
             shared_in = torch.zeros(self.hidden, self.hidden, device=self.s.device)
             for r in range(0, self.tokens, HESSIAN_ROWS):
                 gptq.add_batch(shared_in, self.x_cal.rows(all_rows[r:r + HESSIAN_ROWS]))
-        for chunk in self._chunks(work):
-            weights = {e: self._source(e) for e in chunk}
-            calibrated = [e for e in chunk if not self.rtn_only(e)]
-            h_in, h_down = {}, {}
-            for e in calibrated:
-                h_in[e], h_down[e] = self._hessians(weights[e], routing.tokens(e) if all_rows is None else all_rows,
-                                                    shared_in)
-            for e in chunk:
-                if e not in h_in:
-                    for leaf in self.targets[e]:
-                        w = weights[e][leaf]
-                        scale, zp = rtn.group_qparams(w, self.s.scheme.group_size, self.s.scheme.num_bits,
-                                                      self.s.scheme.symmetric)
-                        self._keep(e, leaf, w, rtn.quantize_groups(w, scale, zp, self.s.scheme.num_bits), scale, zp,
-                                   False)
-            for group, hs in ((["gate_proj", "up_proj"], h_in), (["down_proj"], h_down)):
-                stacks: dict[tuple, list[int]] = {}  # experts whose targeted Linears of the group are the same
-                for e in calibrated:
-                    leaves = tuple(x for x in group if x in self.targets[e])
-                    if leaves:
-                        stacks.setdefault(leaves, []).append(e)
-                for leaves, members in stacks.items():
-                    self._solve_stack(list(leaves), members, weights, hs)
-            del weights, h_in, h_down
-            release_freed_memory()
-            if self.on_expert is not None and self.s.rank == 0:
-                self.on_expert(chunk[-1], self.n)
+        workers = chunk_workers(self.s.device)
+        for _ in each(lambda c: self._solve_chunk(c, routing, all_rows, shared_in), self._chunks(work, workers),
+                          workers):
+            pass
         self.x_cal.close()
+        release_freed_memory()
+
+    def _solve_chunk(self, chunk: list[int], routing: "Routing", all_rows, shared_in) -> None:
+        weights = {e: self._source(e) for e in chunk}
+        calibrated = [e for e in chunk if not self.rtn_only(e)]
+        h_in, h_down = {}, {}
+        for e in calibrated:
+            h_in[e], h_down[e] = self._hessians(weights[e], routing.tokens(e) if all_rows is None else all_rows,
+                                                shared_in)
+        for e in chunk:
+            if e not in h_in:
+                for leaf in self.targets[e]:
+                    w = weights[e][leaf]
+                    scale, zp = rtn.group_qparams(w, self.s.scheme.group_size, self.s.scheme.num_bits,
+                                                  self.s.scheme.symmetric)
+                    self._keep(e, leaf, w, rtn.quantize_groups(w, scale, zp, self.s.scheme.num_bits), scale, zp,
+                               False)
+        for group, hs in ((["gate_proj", "up_proj"], h_in), (["down_proj"], h_down)):
+            stacks: dict[tuple, list[int]] = {}  # experts whose targeted Linears of the group are the same
+            for e in calibrated:
+                leaves = tuple(x for x in group if x in self.targets[e])
+                if leaves:
+                    stacks.setdefault(leaves, []).append(e)
+            for leaves, members in stacks.items():
+                self._solve_stack(list(leaves), members, weights, hs)
+        del weights, h_in, h_down
+        self._release(len(chunk) * expert_bytes(*self._shape(chunk[0]), self.s.dtype))
+        if self.on_expert is not None and self.s.rank == 0:
+            with self._progress_lock:
+                self._progress = max(self._progress, chunk[-1])
+                self.on_expert(self._progress, self.n)
+
+    def _release(self, n_bytes: int) -> None:
+        """Trim the heap once CHUNK_BYTES of chunks have come and gone: after every chunk of Kimi's experts
+        (1.3 GB each), after every few of small ones (a trim takes ~13 ms: 0.15 s a layer of 128 small experts)."""
+        with self._progress_lock:
+            self._freed += n_bytes
+            if self._freed < CHUNK_BYTES[False]:
+                return
+            self._freed = 0
+        release_freed_memory()
+
+    def _shape(self, e: int) -> tuple[int, int]:
+        """(inter, hidden) of expert e, from its gate projection."""
+        return tuple(self.s.ckpt.tensors[f"{self.prefix}{e}.gate_proj.weight"].shape)
 
     def rtn_only(self, e: int) -> bool:
         cal = self.s.calibration
@@ -301,8 +350,9 @@ class LayerExperts:
                                          None if zp is None else pack.pack_int4(zp.contiguous(), packed_dim=0).to("cpu"),
                                          fallback, error)
 
-    def _chunks(self, experts: list[int]) -> Iterator[list[int]]:
-        """Consecutive experts of one group at a time, in stacks whose working memory fits CHUNK_BYTES.
+    def _chunks(self, experts: list[int], workers: int = 1) -> Iterator[list[int]]:
+        """Consecutive experts of one group at a time, in stacks whose working memory fits CHUNK_BYTES (shared by
+        the `workers` chunks solved at once).
 
         The stacks depend only on the groups and the shapes, never on free memory or the number of ranks (a
         rank owns whole groups), so every expert is solved in the same stack in any run: on the CPU each
@@ -310,8 +360,7 @@ class LayerExperts:
         (cuSOLVER, cuBLAS) may pick another algorithm for another batch size."""
         if not experts:
             return
-        inter, hidden = self.s.ckpt.tensors[f"{self.prefix}{experts[0]}.gate_proj.weight"].shape
-        size = stack_size(inter, hidden, self.s.dtype, self.s.device)
+        size = stack_size(*self._shape(experts[0]), self.s.dtype, self.s.device, workers)
         for g in range(GROUPS):
             members = [e for e in experts if e in group_members(g, self.n)]
             for i in range(0, len(members), size):
@@ -329,17 +378,10 @@ class LayerExperts:
             experts = list(group_members(g, self.n))
             if g in self.groups:
                 part = torch.zeros(self.tokens, self.hidden, dtype=s.compute, device=s.device)
-                for e in experts:  # in order: the sum's order is fixed
-                    positions = routing.positions(e)
-                    if positions.numel() == 0:
-                        continue
-                    w = self._quantized(e)
-                    tokens = positions // routing.top_k
-                    x = self.x_adv.rows(tokens)
-                    out = F.linear(self.act_fn(F.linear(x, w["gate_proj"])) * F.linear(x, w["up_proj"]),
-                                   w["down_proj"])
-                    out = out * w_flat[positions].to(s.device)[:, None]  # float32 weights, as transformers does
-                    part.index_add_(0, tokens.to(s.device), out.to(s.compute))
+                used = [e for e in experts if routing.counts[e]]
+                outs = each(lambda e: self._expert_output(e, routing, w_flat), used, chunk_workers(s.device))
+                for tokens, out in outs:  # in expert order: the sum's order is fixed
+                    part.index_add_(0, tokens, out)
                 if s.rank != 0:
                     send(part, 0)
                     continue
@@ -351,6 +393,17 @@ class LayerExperts:
             y = part if y is None else y.add_(part)
         self.x_adv.close()
         return y
+
+    def _expert_output(self, e: int, routing: "Routing", w_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's weighted output for the tokens routed to it, and their rows."""
+        s = self.s
+        positions = routing.positions(e)
+        w = self._quantized(e)
+        tokens = positions // routing.top_k
+        x = self.x_adv.rows(tokens)
+        out = F.linear(self.act_fn(F.linear(x, w["gate_proj"])) * F.linear(x, w["up_proj"]), w["down_proj"])
+        out = out * w_flat[positions].to(s.device)[:, None]  # float32 weights, as transformers does
+        return tokens.to(s.device), out.to(s.compute)
 
     def _quantized(self, e: int) -> dict[str, torch.Tensor]:
         """Expert e's Linears as the quantized model computes them (dequantized codes), in the compute dtype."""

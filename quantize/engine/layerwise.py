@@ -60,14 +60,15 @@ def layer_bytes(plan: Plan, dtype: torch.dtype, experts: bool = True) -> int:
 
 def check_layer_memory(plan: Plan, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse up front, with the numbers, when one layer cannot fit where it must run (under GPTQ, without
-    its routed experts but with one stack of them: they come a stack at a time)."""
+    its routed experts but with the stacks of them solved at once: they come a stack at a time)."""
     gptq_ = plan.recipe.method == "gptq"
     need = layer_bytes(plan, dtype, experts=not gptq_)
     expert = next((e for e in plan.entries if e.role.kind == "expert" and e.role.module.endswith("gate_proj")), None)
     if gptq_ and expert is not None:
         inter, hidden = expert.tensor.shape
-        need += routed.stack_size(inter, hidden, plan.ckpt.dtype, device) * routed.expert_bytes(inter, hidden,
-                                                                                                 plan.ckpt.dtype)
+        workers = routed.chunk_workers(device)
+        need += workers * routed.stack_size(inter, hidden, plan.ckpt.dtype, device, workers) * \
+            routed.expert_bytes(inter, hidden, plan.ckpt.dtype)
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
     if need > free:
         raise QuantizeError(

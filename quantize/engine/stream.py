@@ -6,22 +6,21 @@ this thread writes and hashes. Peak memory is the largest tensors in flight (wor
 model's size; a shard is the unit of resume.
 """
 
-import os
 import shutil
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from quantize import __version__
+from quantize import __version__, compute
 from quantize.checkpoint import INDEX_NAME
 from quantize.destination import check_apart, partial_dir, prepare_check
 from quantize.engine.layer_state import CALIB_DIR
+from quantize.engine.ordered import in_order
 from quantize.engine.state import STATE_NAME, State, fingerprint_parts
 from quantize.errors import QuantizeError
 from quantize.hub import hub_sha256
@@ -95,17 +94,6 @@ def produce(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor | None =
     return out
 
 
-def _in_order(pool: ThreadPoolExecutor, fn: Callable, items: list, depth: int) -> Iterator:
-    """fn over items on the pool, results in item order, at most `depth` in flight (memory stays bounded)."""
-    pending: deque[Future] = deque()
-    for item in items:
-        pending.append(pool.submit(fn, item))
-        if len(pending) >= depth:
-            yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
-
-
 def write_shard(
     plan: Plan, index: int, path: Path, device: torch.device, advance: Callable[[int], None],
     pool: ThreadPoolExecutor | None = None, depth: int = 1, calibrated: Callable | None = None,
@@ -139,7 +127,7 @@ def write_shard_pair(
             main = produce(plan, e, device, w if needs_decode(e) else None)
         return main, (produce(prefill, twin, device, w) if twin is not None else None)
 
-    results = _in_order(pool, make, entries, depth) if pool is not None else (make(e) for e in entries)
+    results = in_order(pool, make, entries, depth) if pool is not None else (make(e) for e in entries)
     try:
         for e, made in zip(entries, results, strict=True):
             for writer, got, entry in zip(writers, made, (e, twins.get(e.tensor.name)), strict=True):
@@ -302,7 +290,7 @@ def run(
         workers = 1  # the layer forwards use every core; one producer thread overlaps them with the writer
         produce_calibrated = calibrated(main.partial, finished)
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    torch.set_num_threads(max(1, compute.cores() // workers))
     try:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             for i in todo:

@@ -8,6 +8,7 @@ descending Hessian diagonal while every column keeps its own group, so no g_idx 
 """
 
 import contextlib
+import threading
 
 import torch
 
@@ -74,17 +75,32 @@ def _thread_invariant(device: torch.device):
         torch.set_num_threads(before)
 
 
+_precision_lock = threading.Lock()
+_precision_users = 0
+
+
 @contextlib.contextmanager
 def _reduced_precision_fp32_matmul(device: torch.device):
     """float32 matmuls with bf16 (CPU, oneDNN) or TF32 (CUDA) inputs and float32 accumulation and output.
-    Exact for inputs that are bf16 values: both formats hold a bf16 mantissa whole."""
+    Exact for inputs that are bf16 values: both formats hold a bf16 mantissa whole.
+
+    The switch is process-wide and threads solve chunks of experts at once (experts.chunk_workers): it is
+    turned on by the first to enter and back by the last to leave, or one thread's restore would let another's
+    product run at full precision (other bytes)."""
+    global _precision_users
     backend = torch.backends.cuda.matmul if device.type == "cuda" else torch.backends.mkldnn.matmul
-    before = backend.fp32_precision
-    backend.fp32_precision = "tf32" if device.type == "cuda" else "bf16"
+    with _precision_lock:
+        if _precision_users == 0:
+            _reduced_precision_fp32_matmul.before = backend.fp32_precision
+            backend.fp32_precision = "tf32" if device.type == "cuda" else "bf16"
+        _precision_users += 1
     try:
         yield
     finally:
-        backend.fp32_precision = before
+        with _precision_lock:
+            _precision_users -= 1
+            if _precision_users == 0:
+                backend.fp32_precision = _reduced_precision_fp32_matmul.before
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
@@ -143,8 +159,10 @@ def _working_copy(H: torch.Tensor, actorder: bool) -> tuple[torch.Tensor, torch.
     if not actorder:
         return H.to(torch.float32, copy=True), None
     perm = torch.argsort(H.diagonal(dim1=-2, dim2=-1), dim=-1, descending=True, stable=True)
-    rows = torch.arange(H.shape[0], device=H.device)[:, None, None]
-    return H[rows, perm[:, :, None], perm[:, None, :]].float(), perm  # one gather, no intermediate
+    n = H.shape[-1]
+    # rows, then columns: two gathers, 2.5x sooner than one 3-index gather (8 x 512 x 512: 4.4 against 11 ms)
+    rows = H.gather(1, perm[:, :, None].expand(-1, -1, n))
+    return rows.gather(2, perm[:, None, :].expand(-1, n, -1)).float(), perm
 
 
 def inverse_factor(H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,11 +174,17 @@ def inverse_factor(H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     4x slower again off the main thread, where the writer threads call the engine: 190 against 48 ms for 32
     matrices of 512, measured)."""
     E, n, _ = H.shape
-    H = H.flip(-2, -1)
+    # LAPACK factors column-major matrices: a row-major H would be copied to that layout and back, and its
+    # triangle zeroed across the grain (8 x 512 x 512: 23 ms against 19). So the flipped H is made column-major
+    # here, in one copy (flip keeps the transposed layout of its input), and L comes back row-major for the
+    # solve. The factor reads the same triangle as before, so the bytes are the same even where the products
+    # left H not exactly symmetric.
+    H = H.mT.flip(-2, -1).contiguous().mT
     info = torch.empty(E, dtype=torch.int32, device=H.device)
     with _thread_invariant(H.device):
         L, info = torch.linalg.cholesky_ex(H, out=(H, info))  # in place
     del H
+    L = L.contiguous()
     fallback = info != 0
     eye = torch.eye(n, dtype=torch.float32, device=L.device)
     if fallback.any():
