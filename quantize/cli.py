@@ -108,8 +108,10 @@ INCONCLUSIVE_OPTION = click.option(
     help="Exit 0 when no metric failed but some sample was too small to decide (INCONCLUSIVE); still reported.")
 SCHEME_OPTION = click.option(
     "--scheme", type=click.Choice(recipes.SCHEMES),
-    help="Quantize every Linear but lm_head (instead of --recipe): w4a16 INT4 groups, or fp8-block (e4m3, 128x128 "
-    "block scales, compressed-tensors FP8_BLOCK; for prefill servers).")
+    help="Quantize every Linear but lm_head (instead of --recipe): w4a16 INT4 groups; fp8-block (e4m3, 128x128 "
+    "block scales, compressed-tensors FP8_BLOCK; for prefill servers); nvfp4a16 (FP4 e2m1, an e4m3 scale per 16 "
+    "under a global scale shared by the Linears an engine fuses; native on Blackwell, weight-only Marlin on "
+    "Hopper) or mxfp4a16 (FP4, an e8m0 scale per 32). FP4 schemes are round-to-nearest (--method rtn).")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -422,7 +424,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             err.print(
                 f"{p.model.arch.family} ({p.model.model_type}) {p.ckpt.format.kind} -> {pr.scheme.label} {pr.method}: "
                 f"{p.counts().get('quantize', 0) + p.counts().get('passthrough', 0)} Linear weights to "
-                f"{'FP8' if pr.scheme.fp8_block else 'INT4'}, "
+                f"{'FP8' if pr.scheme.fp8_block else 'FP4' if pr.scheme.fp4 else 'INT4'}, "
                 f"{len(p.shards)} output shard(s); serves at TP {', '.join(map(str, p.tp_served)) or 'none'}",
                 highlight=False,
             )

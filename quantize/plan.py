@@ -143,6 +143,8 @@ def recipe_bytes(recipe, family: str, include_mtp: bool = False):
             s = recipe.scheme
             if s.fp8_block:
                 return _fp8_block_bytes(shape, tuple(s.block_structure))
+            if s.fp4:  # half a byte a weight, a one-byte scale a group, NVFP4's float32 global scale
+                return math.prod(shape) // 2 + math.prod(shape) // s.group_size + (4 if s.fp4 == "nvfp4" else 0)
             return _int4_bytes(shape, s.num_bits, s.group_size, s.symmetric)
         return math.prod(shape) * _float_bytes(name)
 
@@ -163,7 +165,8 @@ def _ignored(patterns: list[str], module: str) -> bool:
 def layout_from_config(cfg: dict) -> tuple[arch.Model, list[tuple[str, tuple[int, ...]]]]:
     """Every weight tensor (name, shape) a checkpoint of this config holds, as the checkpoint names them:
     transformers' model class built on the meta device (no memory), fused experts split per expert, MTP layers
-    (a decoder layer plus eh_proj and its norms) added as DeepSeek-style checkpoints store them."""
+    (a decoder layer plus eh_proj and its norms, and its own embedding and head where the family stores them)
+    added as DeepSeek-style checkpoints store them."""
     import torch
 
     text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg \
@@ -195,6 +198,11 @@ def layout_from_config(cfg: dict) -> tuple[arch.Model, list[tuple[str, tuple[int
         out += [(mtp + name[len(last):], shape) for name, shape in out if name.startswith(last)]
         out += [(mtp + "eh_proj.weight", (hidden, 2 * hidden)), (mtp + "enorm.weight", (hidden,)),
                 (mtp + "hnorm.weight", (hidden,)), (mtp + "shared_head.norm.weight", (hidden,))]
+        if model.arch.family != "glm_moe_dsa":
+            # DeepSeek-V3 (model.layers.61: 1.73 GB of head alone) and GLM-4.5 store the MTP layer's own copies of
+            # the embedding and the output head; GLM-5's MTP layer shares the model's
+            vocab = int(text_cfg["vocab_size"])
+            out += [(mtp + "embed_tokens.weight", (vocab, hidden)), (mtp + "shared_head.head.weight", (vocab, hidden))]
     return model, out
 
 

@@ -59,12 +59,29 @@ class Scheme:
     @property
     def fp8_block(self) -> bool:
         """compressed-tensors FP8_BLOCK (float-quantized): e4m3 weights, one scale per 128x128 block."""
-        return self.type == "float"
+        return self.type == "float" and self.num_bits == 8
+
+    @property
+    def fp4(self) -> str | None:
+        """"nvfp4" (e2m1 weights, an e4m3 scale per 16 under a float32 global scale: compressed-tensors'
+        NVFP4A16, nvfp4-pack-quantized) or "mxfp4" (an e8m0 scale per 32: MXFP4A16, mxfp4-pack-quantized)."""
+        if self.type != "float" or self.num_bits != 4:
+            return None
+        return "nvfp4" if self.strategy == "tensor_group" else "mxfp4"
+
+    @property
+    def format(self) -> str:
+        """The compressed-tensors format the weights are written in."""
+        if self.fp8_block:
+            return "float-quantized"
+        return f"{self.fp4}-pack-quantized" if self.fp4 else "pack-quantized"
 
     @property
     def label(self) -> str:
         if self.fp8_block:
             return "fp8 block {}x{}".format(*self.block_structure)
+        if self.fp4:
+            return f"{self.fp4}a16 g{self.group_size}"
         return f"w{self.num_bits}a16 g{self.group_size} {'sym' if self.symmetric else 'asym'}"
 
     def args(self):
@@ -74,6 +91,8 @@ class Scheme:
 
         if self.fp8_block:
             return self.preset_fp8_block()["weights"]
+        if self.fp4:
+            return hf.compressed_tensors().quant_scheme.PRESET_SCHEMES[FP4_PRESETS[self.fp4]]["weights"]
         return QuantizationArgs(
             num_bits=self.num_bits,
             group_size=self.group_size,
@@ -116,11 +135,10 @@ class Recipe:
         ct = hf.compressed_tensors()
         QuantizationConfig, QuantizationScheme = ct.QuantizationConfig, ct.QuantizationScheme
 
+        fmt = self.scheme.format
         if self.scheme.fp8_block:
-            fmt = "float-quantized"
             group = QuantizationScheme(targets=list(self.targets), format=fmt, **self.scheme.preset_fp8_block())
         else:
-            fmt = "pack-quantized"
             group = QuantizationScheme(targets=list(self.targets), weights=self.scheme.args(), format=fmt)
         qc = QuantizationConfig(
             config_groups={"group_0": group},
@@ -163,6 +181,12 @@ def matches(pattern: str, name: str) -> bool:
 
 
 def _scheme(raw: object, where: str) -> Scheme:
+    if isinstance(raw, dict) and raw.get("type") == "float" and raw.get("num_bits") == 4:
+        s = _section(Scheme, raw, "scheme", where)
+        if (s.strategy, s.group_size, s.symmetric) not in (("tensor_group", 16, True), ("group", 32, True)):
+            raise UsageError(f"{where}: FP4 schemes are NVFP4 (strategy tensor_group, group_size 16) or MXFP4 "
+                             "(strategy group, group_size 32), symmetric")
+        return s
     if isinstance(raw, dict) and raw.get("type") == "float":
         # group_size has no meaning for blocks; leave it out rather than carry the INT4 default
         s = _section(Scheme, {"group_size": None, **raw}, "scheme", where)
@@ -227,6 +251,9 @@ def from_dict(raw: object, where: str) -> Recipe:
     if kv_cache not in (None, *KV_CACHE):
         raise UsageError(f"{where}: kv_cache {kv_cache!r} is not available; choose one of {KV_CACHE} or leave it out")
     scheme = _scheme(raw.get("scheme", {}), where)
+    if scheme.fp4 and method != "rtn":
+        raise UsageError(f"{where}: FP4 weights are written data-free for now (round to nearest, as model_free_ptq); "
+                         "use method rtn")
     if scheme.fp8_block and method != "rtn":
         raise UsageError(f"{where}: FP8 block weights are data-free (max per block, as compressed-tensors' FP8_BLOCK); "
                          "use method rtn")
@@ -263,8 +290,11 @@ def load(path: Path) -> Recipe:
     return from_dict(raw, str(path))
 
 
-SCHEMES = ("w4a16", "fp8-block")
+SCHEMES = ("w4a16", "fp8-block", "nvfp4a16", "mxfp4a16")
 FP8_BLOCK = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}
+FP4 = {"nvfp4a16": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
+       "mxfp4a16": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}}
+FP4_PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}  # compressed-tensors' preset of each
 
 
 def preset(scheme: str, group_size: int, method: str = "rtn", symmetric: bool = True) -> Recipe:
@@ -272,6 +302,9 @@ def preset(scheme: str, group_size: int, method: str = "rtn", symmetric: bool = 
     if scheme == "fp8-block":
         return from_dict({"name": "fp8-block", "method": method, "scheme": FP8_BLOCK, "targets": ["Linear"],
                           "ignore": ["lm_head"]}, "--scheme fp8-block")
+    if scheme in FP4:
+        return from_dict({"name": scheme, "method": method, "scheme": FP4[scheme], "targets": ["Linear"],
+                          "ignore": ["lm_head"]}, f"--scheme {scheme}")
     if scheme != "w4a16":
         raise UsageError(f"scheme {scheme!r} is not available; choose one of {SCHEMES}")
     return from_dict(

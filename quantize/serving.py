@@ -85,6 +85,14 @@ def matrix(config: dict, names: list[str]) -> list[Row]:
                 loads = False
                 notes.append(f"{m} is {'FP8' if m in fp8 else 'INT4'}, but {why}: its weights would load wrong")
                 break
+        fmt = qc.get("format")
+        if fmt in FP4_GPUS:
+            if engine == SGLANG and fmt == "mxfp4-pack-quantized" and any(".experts." not in m for m in int4):
+                loads = False
+                notes.append("SGLang takes a dense MXFP4 Linear for an INT W4A16 one (_is_wNa16_group_channel checks "
+                             "no type) and refuses the mxfp4-pack-quantized format there: serve it with vLLM")
+            else:
+                notes.append(FP4_GPUS[fmt])
         if engine == SGLANG and family == "glm4_moe" and _routed_int4_shared_float(int4, names):
             flags.append(NO_SHARED_FUSION)
             notes.append("GLM-4.x fuses the shared expert into the INT4 routed-expert module unless told not to "
@@ -107,10 +115,24 @@ def launch_flags(rows: list[Row], engine: str) -> list[str]:
     return out
 
 
+# Which GPUs run an FP4 output, and how (vLLM 0.33: CompressedTensorsW4A4Fp4(use_a16=True), min capability 7.5,
+# and CompressedTensorsW4A4Mxfp4, 8.0; SGLang 0.5.23: CompressedTensorsW4A16Fp4, FP4 Marlin, 8.0)
+FP4_GPUS = {
+    "nvfp4-pack-quantized": "weight-only on every GPU (BF16 activations): Blackwell W4A16 kernels on SM 10.x/12.x "
+                            "(vLLM: FlashInfer CuteDSL, B12x), FP4 Marlin on Ampere and Hopper (SM 8.0-9.0); "
+                            "FP4 tensor-core GEMMs need NVFP4 activations too (W4A4)",
+    "mxfp4-pack-quantized": "MXFP4 weights with BF16 activations, on SM 8.0 and up",
+}
+
+
 def _scheme_label(qc: dict) -> str:
     groups = list((qc.get("config_groups") or {}).values())
     w = (groups[0].get("weights") or {}) if groups else {}
     fmt = qc.get("format") or (groups[0].get("format") if groups else None)
+    if fmt == "nvfp4-pack-quantized":
+        return "NVFP4A16 (FP4 g16)"
+    if fmt == "mxfp4-pack-quantized":
+        return "MXFP4A16 (FP4 g32)"
     if fmt == "pack-quantized":
         return f"W4A16 INT4 g{w.get('group_size')}"
     if fmt == "float-quantized":

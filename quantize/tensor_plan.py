@@ -45,6 +45,9 @@ class Plan:
     extra_ignore: tuple[str, ...]
     tp_served: list[int]
     warnings: list[str] = field(default_factory=list)
+    # NVFP4: each quantized weight an engine fuses with others -> the weights of its set, which share one global
+    # scale (fused_sets)
+    fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @property
     def shard_names(self) -> list[str]:
@@ -71,6 +74,12 @@ def quantized_specs(name: str, shape: tuple[int, ...], recipe: Recipe, scale_dty
     weight_shape), or float-quantized FP8 blocks (weight in e4m3, weight_scale per 128x128 block)."""
     module = name.rpartition(".")[0]
     out_f, in_f = shape
+    if recipe.scheme.fp4:  # two e2m1 codes a byte; NVFP4's e4m3 scales under a global scale, MXFP4's e8m0
+        packed = TensorSpec(f"{module}.weight_packed", "U8", (out_f, in_f // 2))
+        if recipe.scheme.fp4 == "mxfp4":
+            return packed, TensorSpec(f"{module}.weight_scale", "U8", (out_f, in_f // recipe.scheme.group_size))
+        return (packed, TensorSpec(f"{module}.weight_scale", "F8_E4M3", (out_f, in_f // recipe.scheme.group_size)),
+                TensorSpec(f"{module}.weight_global_scale", "F32", (1,)))
     if recipe.scheme.fp8_block:
         grid = fp8.block_grid(shape, tuple(recipe.scheme.block_structure))
         return TensorSpec(name, "F8_E4M3", shape), TensorSpec(f"{module}.weight_scale", scale_dtype, grid)
@@ -85,8 +94,31 @@ def quantized_specs(name: str, shape: tuple[int, ...], recipe: Recipe, scale_dty
     return tuple(specs)
 
 
+# The Linears vLLM and SGLang run as one GEMM, and so with one NVFP4 global scale (vLLM: the max of the parts'
+# in CompressedTensorsW4A4Fp4.process_weights_after_loading, the gate's for an expert's w13 in
+# CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading): attention's q/k/v (qkv_proj), MLA's q_a and
+# kv_a (DeepSeek-V2's fused_qkv_a_proj, when q_lora_rank is set), and every gate/up pair (gate_up_proj, w13).
+FUSED = (("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
+
+
+def fused_sets(names: list[str]) -> dict[str, tuple[str, ...]]:
+    """Each weight name of a complete fused set (FUSED, same module prefix) -> the set's names, in FUSED order."""
+    have = set(names)
+    out = {}
+    for name in names:
+        module, _, leaf = name.removesuffix(".weight").rpartition(".")
+        for group in FUSED:
+            if leaf in group:
+                members = tuple(f"{module}.{m}.weight" for m in group)
+                if all(m in have for m in members):
+                    out[name] = members
+    return out
+
+
 def _same_scheme(ckpt: Checkpoint, recipe: Recipe) -> bool:
     f, s = ckpt.format, recipe.scheme
+    if s.fp4:
+        return False  # no source format of ours is FP4 yet: every weight is quantized
     if s.fp8_block:
         return f.kind == "ct-fp8" and f.block == tuple(s.block_structure)
     return f.kind == "ct-int4" and (f.num_bits, f.group_size, f.symmetric) == (s.num_bits, s.group_size, s.symmetric)
@@ -231,6 +263,8 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
     if engine_kept:
         extra += serving.engine_ignore(model.arch.family, recipe.scheme.fp8_block)
     plan = Plan(ckpt, model, recipe, entries, shards, extra, served, warnings)
+    if recipe.scheme.fp4 == "nvfp4":
+        plan.fused = fused_sets([e.tensor.name for e in entries if e.action == "quantize"])
     check_memory(plan, workers, device)
     return plan
 

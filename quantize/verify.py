@@ -23,6 +23,8 @@ from quantize.writer import MANIFEST_NAME
 
 CHUNK = 16 * 2**20
 QUANTIZED_SUFFIX = ".weight_packed"
+FP4_FORMATS = ("nvfp4-pack-quantized", "mxfp4-pack-quantized")
+FORMATS = ("pack-quantized", "float-quantized", *FP4_FORMATS)
 
 
 @dataclass(frozen=True)
@@ -198,12 +200,15 @@ def _check_quantized(headers: dict[str, dict[str, TensorInfo]], config: dict, re
     """Every packed module has its scale and shape, sized as the scheme says, and finite nonzero scales."""
     find = report.findings.append
     qc = config.get("quantization_config") or {}
-    if qc.get("format") not in ("pack-quantized", "float-quantized") or not _schemes(config):
-        find(Finding("config.json", None, "no compressed-tensors pack-quantized or float-quantized quantization_config"))
+    if qc.get("format") not in FORMATS or not _schemes(config):
+        find(Finding("config.json", None, f"no compressed-tensors quantization_config of a format in {FORMATS}"))
         return
     infos = {t: info for h in headers.values() for t, info in h.items()}
     if qc.get("format") == "float-quantized":
         _check_fp8_blocks(infos, config, report)
+        return
+    if qc.get("format") in FP4_FORMATS:
+        _check_fp4(infos, qc["format"], report)
         return
     groups = {w.get("group_size") for w in _schemes(config)}
     symmetric = {bool(w.get("symmetric", True)) for w in _schemes(config)}
@@ -234,6 +239,36 @@ def _check_quantized(headers: dict[str, dict[str, TensorInfo]], config: dict, re
             what = "missing for an asymmetric scheme" if zp is None else "present for a symmetric scheme"
             find(Finding(file, module, f"zero point {what}"))
         _check_scale(scale, module, report)
+
+
+def _check_fp4(infos: dict[str, TensorInfo], fmt: str, report: Report) -> None:
+    """nvfp4- / mxfp4-pack-quantized: every uint8 weight_packed [out, in/2] has its weight_scale [out, in/group]
+    (e4m3 for NVFP4, e8m0 bytes for MXFP4) and, for NVFP4, a finite positive float32 weight_global_scale [1]."""
+    find = report.findings.append
+    nv = fmt == "nvfp4-pack-quantized"
+    group, scale_dtype = (16, "F8_E4M3") if nv else (32, "U8")
+    for name, packed in sorted(infos.items()):
+        if not name.endswith(QUANTIZED_SUFFIX):
+            continue
+        report.quantized_modules += 1
+        module, file = name[: -len(QUANTIZED_SUFFIX)], packed.path.name
+        scale, gscale = infos.get(f"{module}.weight_scale"), infos.get(f"{module}.weight_global_scale")
+        if scale is None or (nv and gscale is None):
+            find(Finding(file, module, f"FP4 weight without its {'weight_scale' if scale is None else 'weight_global_scale'}"))
+            continue
+        out_f, in_f = packed.shape[0], 2 * packed.shape[-1]
+        if packed.dtype != "U8" or scale.dtype != scale_dtype or scale.shape != (out_f, in_f // group):
+            find(Finding(file, module, f"weight_packed {packed.dtype} {list(packed.shape)} / weight_scale "
+                         f"{scale.dtype} {list(scale.shape)} are not {fmt} (uint8 [out, in/2], {scale_dtype} "
+                         f"[out, in/{group}])"))
+            continue
+        if nv:
+            g = read_tensor(gscale).float()
+            if gscale.dtype != "F32" or g.shape != (1,) or not bool(torch.isfinite(g).all() and (g > 0).all()):
+                find(Finding(file, module, f"weight_global_scale {gscale.dtype} {list(g.shape)} is not one finite "
+                             "positive float32"))
+                continue
+            _check_scale(scale, module, report)
 
 
 def _check_scale(scale: TensorInfo, module: str, report: Report) -> None:
@@ -290,9 +325,13 @@ def _deep(headers: dict[str, dict[str, TensorInfo]], source: Path | None, manife
         return
     method = (manifest.get("recipe") or {}).get("method", "rtn")
     infos = {t: info for h in headers.values() for t, info in h.items()}
-    block = ((manifest.get("recipe") or {}).get("scheme") or {}).get("block_structure")
+    scheme = (manifest.get("recipe") or {}).get("scheme") or {}
+    block = scheme.get("block_structure")
     if block:
         _deep_fp8(infos, ckpt, tuple(block), report)
+        return
+    if scheme.get("type") == "float" and scheme.get("num_bits") == 4:
+        _deep_fp4(infos, ckpt, scheme.get("strategy") == "tensor_group", report)
         return
     for name in sorted(t for t in infos if t.endswith(QUANTIZED_SUFFIX)):
         module = name[: -len(QUANTIZED_SUFFIX)]
@@ -346,3 +385,30 @@ def _deep_fp8(infos: dict[str, TensorInfo], ckpt, block: tuple[int, int], report
         excess = (w - deq).abs() - (w.abs() * (2**-4 + 2**-7) + step * 2**-9)
         if bool((excess > 0).any()):
             find(Finding(file, name, f"{int((excess > 0).sum())} elements further from the source than FP8 rounding"))
+
+
+def _deep_fp4(infos: dict[str, TensorInfo], ckpt, nvfp4: bool, report: Report) -> None:
+    """Each FP4 weight, dequantized by compressed-tensors' own compressor, within e2m1's rounding of the source:
+    half the widest gap of e2m1 (1, between 4 and 6) of its group's effective scale, plus the scale's own rounding
+    (e4m3: 2^-4 relative, so up to 2^-4 of |w| where the clamp at 6 bites; e8m0 rounds the scale up, never down)."""
+    from quantize.quant import fp4
+
+    find = report.findings.append
+    for name in sorted(t for t in infos if t.endswith(QUANTIZED_SUFFIX)):
+        module = name[: -len(QUANTIZED_SUFFIX)]
+        file = infos[name].path.name
+        if f"{module}.weight" not in ckpt.tensors:
+            find(Finding(file, module, "has no weight in the source"))
+            continue
+        w = ckpt.decode(ckpt.tensors[f"{module}.weight"], torch.device("cpu")).float()
+        parts = {k: read_tensor(infos[f"{module}.{k}"]) for k in ("weight_packed", "weight_scale", "weight_global_scale")
+                 if f"{module}.{k}" in infos}
+        deq, step = fp4.dequantize(parts, nvfp4)
+        report.deep_checked += 1
+        if not torch.isfinite(deq).all():
+            find(Finding(file, module, "dequantizes to NaN or Inf"))
+            continue
+        step = step.repeat_interleave(w.shape[1] // step.shape[1], dim=1)
+        excess = (w - deq).abs() - (step * (1 + 2**-3) + w.abs() * 2**-4 + 2**-20)
+        if bool((excess > 0).any()):
+            find(Finding(file, module, f"{int((excess > 0).sum())} elements further from the source than FP4 rounding"))

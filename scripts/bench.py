@@ -162,8 +162,8 @@ from llmcompressor.entrypoints.model_free import model_free_ptq
 src, out, device, ignore, which = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(","), sys.argv[5]
 scheme = QuantizationScheme(targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
     weights=QuantizationArgs(num_bits=4, group_size=32, symmetric=True, strategy="group", type="int"))
-if which == "fp8-block":
-    scheme = "FP8_BLOCK"
+if which in ("fp8-block", "nvfp4a16", "mxfp4a16"):
+    scheme = which.replace("-", "_").upper()
 dequant = FP8BlockDequantizer(targets=[r"re:.*_proj$", r"re:.*kv_a_proj_with_mqa$"], dtype=torch.bfloat16)
 model_free_ptq(src, out, scheme=scheme, ignore=ignore, max_workers=1, device=device, converter=dequant)
 """
@@ -237,10 +237,9 @@ def bench_rtn(args) -> dict:
     ours_out, ref_out = work / "out-quantize", work / "out-model-free-ptq"
     for d in (ours_out, ref_out):
         fresh(d)
-    if args.scheme == "fp8-block":
-        # every Linear but lm_head to FP8 blocks; model_free_ptq takes every 2-D weight, so routers and
-        # embeddings are named for it
-        what, ignore = ["--scheme", "fp8-block"], ["lm_head", r"re:.*mlp\.gate$", r"re:.*embed_tokens$"]
+    if args.scheme != "w4a16":
+        # every Linear but lm_head; model_free_ptq takes every 2-D weight, so routers and embeddings are named for it
+        what, ignore = ["--scheme", args.scheme], ["lm_head", r"re:.*mlp\.gate$", r"re:.*embed_tokens$"]
     else:
         what, ignore = ["--recipe", str(recipe)], KIMI_IGNORE
     ours = measure([sys.executable, "-m", "quantize", "convert", str(src), str(ours_out), *what,
@@ -635,8 +634,9 @@ def main() -> None:
     r.add_argument("--size-gb", type=float, default=2.2)
     r.add_argument("--device", default="cpu")
     r.add_argument("--workers", type=int, default=2)
-    r.add_argument("--scheme", choices=["w4a16", "fp8-block"], default="w4a16",
-                   help="w4a16: the Kimi recipe (routed experts INT4 g32); fp8-block: every Linear to FP8_BLOCK")
+    r.add_argument("--scheme", choices=["w4a16", "fp8-block", "nvfp4a16", "mxfp4a16"], default="w4a16",
+                   help="w4a16: the Kimi recipe (routed experts INT4 g32); fp8-block, nvfp4a16, mxfp4a16: every Linear "
+                   "but lm_head in that scheme")
     r.add_argument("--work", default=".cache/bench")
     r.add_argument("--json", dest="json_out")
     for method, n in (("gptq", 128), ("awq", 32)):

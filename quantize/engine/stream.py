@@ -24,7 +24,7 @@ from quantize.engine.ordered import in_order
 from quantize.engine.state import STATE_NAME, State, fingerprint_parts
 from quantize.errors import QuantizeError
 from quantize.hub import hub_sha256
-from quantize.quant import fp8, pack, rtn
+from quantize.quant import fp4, fp8, pack, rtn
 from quantize.safetensors_file import read_tensor
 from quantize.tensor_plan import Entry, Plan
 from quantize.verify import verify
@@ -82,6 +82,12 @@ def produce(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor | None =
     if e.action == "dequantize":
         return [w]
     s = plan.recipe.scheme
+    if s.fp4 == "mxfp4":
+        return list(fp4.mxfp4(w))
+    if s.fp4 == "nvfp4":
+        if t.name in plan.fused:
+            return _fused_outputs(plan, e, device, w)
+        return list(fp4.nvfp4(w))
     if s.fp8_block:
         block = tuple(s.block_structure)
         scale = fp8.block_scale(w, block)
@@ -92,6 +98,35 @@ def produce(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor | None =
     if zero_point is not None:
         out.append(pack.pack_int4(zero_point, packed_dim=0))
     return out
+
+
+class _Stash:
+    """The outputs of fused-set members quantized with the first member asked for, until they are asked for."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ready: dict[str, list[torch.Tensor]] = {}
+
+
+_stashes: dict[int, _Stash] = {}  # by id of the plan, for one run (dropped by `run` at its end)
+_stashes_lock = threading.Lock()
+
+
+def _fused_outputs(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor) -> list[torch.Tensor]:
+    """NVFP4 outputs of a weight an engine fuses with others (plan.fused): the first member asked for decodes the
+    others (each weight is still read once) and quantizes the whole set under one global scale, from the largest
+    magnitude of any member, as model_free_ptq does for the sets it knows; the others' outputs wait here."""
+    with _stashes_lock:
+        stash = _stashes.setdefault(id(plan), _Stash())
+    with stash.lock:
+        if e.tensor.name not in stash.ready:
+            members = plan.fused[e.tensor.name]
+            ws = {m: w if m == e.tensor.name else plan.ckpt.decode(plan.ckpt.tensors[m], device).to(plan.ckpt.dtype)
+                  for m in members}
+            shared = fp4.global_scale(torch.stack([fp4.absmax(x) for x in ws.values()]).max())
+            for m, x in ws.items():
+                stash.ready[m] = list(fp4.nvfp4(x, shared))
+        return stash.ready.pop(e.tensor.name)
 
 
 def write_shard(
@@ -309,6 +344,7 @@ def run(
                 finished_shards.append(i)
     finally:
         torch.set_num_threads(threads)
+        _stashes.pop(id(plan), None)
     shutil.rmtree(main.partial / CALIB_DIR, ignore_errors=True)  # every shard is written: the layer checkpoints are done
     for o in reversed(outputs):  # the prefill variant first: OUT appearing means both are there
         o.finish(source_info, source_hashes)
