@@ -108,7 +108,8 @@ INCONCLUSIVE_OPTION = click.option(
     help="Exit 0 when no metric failed but some sample was too small to decide (INCONCLUSIVE); still reported.")
 SCHEME_OPTION = click.option(
     "--scheme", type=click.Choice(recipes.SCHEMES),
-    help="Quantize every Linear but lm_head (instead of --recipe): w4a16 INT4 groups; fp8-block (e4m3, 128x128 "
+    help="Quantize every Linear but lm_head (instead of --recipe): w4a16 INT4 groups; w4afp8 (the INT4 g128 "
+    "weights with FP8 per-token activations: FP8 GEMMs on Hopper); fp8-block (e4m3, 128x128 "
     "block scales, compressed-tensors FP8_BLOCK; for prefill servers); nvfp4a16 (FP4 e2m1, an e4m3 scale per 16 "
     "under a global scale shared by the Linears an engine fuses; native on Blackwell, weight-only Marlin on "
     "Hopper) or mxfp4a16 (FP4, an e8m0 scale per 32). FP4 schemes are round-to-nearest (--method rtn).")
@@ -341,8 +342,9 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             calibrate_all_experts, min_expert_tokens, offload, trust_remote_code, device, compute_dtype, devices,
             max_shard_size, workers, tp, overwrite, resume, allow_nonfinite, kv_cache, prefill_out, prefill_recipe, verbose,
             as_json):
-    """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT, or to FP8 blocks (--scheme
-    fp8-block, compressed-tensors FP8_BLOCK), or both at once (--prefill-out: FP8 for prefill servers).
+    """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT, or W4AFP8 (--scheme w4afp8: the
+    same weights, FP8 activations on Hopper), FP8 blocks (--scheme fp8-block, compressed-tensors FP8_BLOCK), FP4
+    (--scheme nvfp4a16 | mxfp4a16), or INT4 and FP8 blocks at once (--prefill-out: FP8 for prefill servers).
 
     \b
     Methods: rtn streams tensor by tensor (no data, no model). gptq and awq run the layerwise engine:

@@ -385,7 +385,28 @@ def _from_folder(folder):
 
 def _label(recipe) -> str:
     s = recipe.scheme
-    return f"{recipe.name} ({'FP8 blocks' if s.fp8_block else f'INT4 g{s.group_size}'})"
+    if s.fp8_block:
+        kind = "FP8 blocks"
+    elif s.w4afp8:
+        kind = f"INT4 g{s.group_size} + FP8 activations"
+    elif s.fp4:
+        kind = f"{s.fp4.upper()}A16"
+    else:
+        kind = f"INT4 g{s.group_size}"
+    return f"{recipe.name} ({kind})"
+
+
+def w4afp8_variant(recipe):
+    """The single-checkpoint alternative to a prefill / decode pair: the recipe's targets as W4AFP8 (INT4 g128
+    weights, FP8 activations), or every Linear but lm_head without a recipe."""
+    import dataclasses
+
+    from quantize import recipe as recipes
+
+    if recipe is None:
+        return recipes.preset("w4afp8", 128)
+    scheme = recipes.Scheme(num_bits=4, group_size=128, symmetric=True, activations="fp8")
+    return dataclasses.replace(recipe, name=f"{recipe.name}-w4afp8", scheme=scheme, kv_cache=None)
 
 
 def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None, disaggregated: bool = False) -> Report:
@@ -432,6 +453,10 @@ def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None, disaggregate
                      "prompts) and a decode pool on " + ("the recipe's INT4 weights (less weight traffic per token)"
                                                          if recipe is not None else "the source weights")
                      + "; each row is one pool with this --gpus/--tp; `quantize convert --prefill-out` writes both")
+        single = w4afp8_variant(recipe)
+        rows.append(("or one checkpoint for both: " + _label(single), under(single)))
+        notes.append("or one checkpoint for both phases: W4AFP8 (`--scheme w4afp8`) keeps INT4's memory and runs FP8 "
+                     "GEMMs on Hopper (SM 9.0 in vLLM), so prefill does not widen INT4 to BF16")
     elif recipe is not None:
         rows.append((_label(recipe), under(recipe)))
     scenarios = [scenario(label, w, cfg, kv, setup, model.num_mtp_layers) for kv in kv_dtypes for label, w in rows]

@@ -55,6 +55,13 @@ class Scheme:
     strategy: str = "group"
     type: str = "int"
     block_structure: list[int] | None = None  # FP8_BLOCK: [128, 128]
+    # "fp8": INT4 weights with FP8 (e4m3) per-token dynamic activations, compressed-tensors' W4AFP8: the same
+    # weights as W4A16 g128, and FP8 tensor-core GEMMs on Hopper
+    activations: str | None = None
+
+    @property
+    def w4afp8(self) -> bool:
+        return self.activations == "fp8"
 
     @property
     def fp8_block(self) -> bool:
@@ -82,6 +89,8 @@ class Scheme:
             return "fp8 block {}x{}".format(*self.block_structure)
         if self.fp4:
             return f"{self.fp4}a16 g{self.group_size}"
+        if self.w4afp8:
+            return f"w4afp8 g{self.group_size}"
         return f"w{self.num_bits}a16 g{self.group_size} {'sym' if self.symmetric else 'asym'}"
 
     def args(self):
@@ -138,6 +147,9 @@ class Recipe:
         fmt = self.scheme.format
         if self.scheme.fp8_block:
             group = QuantizationScheme(targets=list(self.targets), format=fmt, **self.scheme.preset_fp8_block())
+        elif self.scheme.w4afp8:
+            group = QuantizationScheme(targets=list(self.targets), weights=self.scheme.args(), format=fmt,
+                                       input_activations=ct.quant_scheme.PRESET_SCHEMES["W4AFP8"]["input_activations"])
         else:
             group = QuantizationScheme(targets=list(self.targets), weights=self.scheme.args(), format=fmt)
         qc = QuantizationConfig(
@@ -200,6 +212,10 @@ def _scheme(raw: object, where: str) -> Scheme:
     if s.num_bits != 4 or s.type != "int" or s.strategy != "group":
         raise UsageError(f"{where}: schemes are INT4 groups (num_bits 4, type int, strategy group) "
                          "or FP8 blocks (num_bits 8, type float, strategy block, block_structure [128, 128])")
+    if s.activations is not None and (s.activations != "fp8" or s.group_size != 128 or not s.symmetric):
+        raise UsageError(f"{where}: activations: fp8 (W4AFP8) is INT4 symmetric group_size 128 weights: vLLM's "
+                         "CompressedTensorsW4A8Fp8 refuses any other group size; got "
+                         f"activations {s.activations!r}, group_size {s.group_size}, symmetric {s.symmetric}")
     if s.group_size not in GROUP_SIZES:
         raise UsageError(f"{where}: group_size {s.group_size} is not one that vLLM's Marlin kernels serve; "
                          f"use one of {GROUP_SIZES}")
@@ -290,7 +306,7 @@ def load(path: Path) -> Recipe:
     return from_dict(raw, str(path))
 
 
-SCHEMES = ("w4a16", "fp8-block", "nvfp4a16", "mxfp4a16")
+SCHEMES = ("w4a16", "w4afp8", "fp8-block", "nvfp4a16", "mxfp4a16")
 FP8_BLOCK = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}
 FP4 = {"nvfp4a16": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
        "mxfp4a16": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}}
@@ -302,6 +318,12 @@ def preset(scheme: str, group_size: int, method: str = "rtn", symmetric: bool = 
     if scheme == "fp8-block":
         return from_dict({"name": "fp8-block", "method": method, "scheme": FP8_BLOCK, "targets": ["Linear"],
                           "ignore": ["lm_head"]}, "--scheme fp8-block")
+    if scheme == "w4afp8":
+        if group_size != 128:
+            raise UsageError(f"--scheme w4afp8 is group_size 128 (vLLM's W4A8 kernels take no other), not {group_size}")
+        return from_dict({"name": "w4afp8-g128", "method": method, "scheme": {"num_bits": 4, "group_size": 128,
+                          "symmetric": True, "activations": "fp8"}, "targets": ["Linear"], "ignore": ["lm_head"]},
+                         "--scheme w4afp8")
     if scheme in FP4:
         return from_dict({"name": scheme, "method": method, "scheme": FP4[scheme], "targets": ["Linear"],
                           "ignore": ["lm_head"]}, f"--scheme {scheme}")

@@ -148,18 +148,19 @@ def model_card(*, repo_id: str, base_model: str | None, license: str | None, rec
     from huggingface_hub import ModelCard, ModelCardData
 
     s = recipe.scheme
-    fmt = "fp8" if s.fp8_block else "int4"
+    fmt, tag, what = ("fp8", "fp8-block", "FP8 block") if s.fp8_block else \
+        ("fp4", f"{s.fp4}a16", f"FP4 ({s.fp4.upper()}A16)") if s.fp4 else \
+        ("int4", "w4afp8", "INT4 with FP8 activations (W4AFP8)") if s.w4afp8 else ("int4", "w4a16", "INT4 (W4A16)")
     data = ModelCardData(
         base_model=base_model, base_model_relation="quantized" if base_model else None, license=license,
         library_name="transformers", pipeline_tag="text-generation",
-        tags=["compressed-tensors", fmt, "fp8-block" if s.fp8_block else "w4a16", recipe.method, "vllm", "sglang",
-              "quantize", architecture],
+        tags=["compressed-tensors", fmt, tag, recipe.method, "vllm", "sglang", "quantize", architecture],
     )
     lines = [f"# {repo_id}", ""]
-    lines.append(f"{'FP8 block' if s.fp8_block else 'INT4 (W4A16)'} quantization of "
+    lines.append(f"{what} quantization of "
                  f"{('[' + base_model + '](https://huggingface.co/' + base_model + ')') if base_model else 'its source'}"
-                 f" in the compressed-tensors `{'float-quantized' if s.fp8_block else 'pack-quantized'}` layout, "
-                 "which vLLM and SGLang load as-is. Made with `quantize release`.")
+                 f" in the compressed-tensors `{s.format}` layout, which the engines below load as-is. Made with "
+                 "`quantize release`.")
     lines += ["", "## How it was quantized", "", "| | |", "|---|---|",
               f"| recipe | `{recipe.name}` |", f"| method | {recipe.method} |", f"| scheme | {s.label} |",
               f"| targets | {', '.join(f'`{t}`' for t in recipe.targets)} |",

@@ -86,6 +86,8 @@ def matrix(config: dict, names: list[str]) -> list[Row]:
                 notes.append(f"{m} is {'FP8' if m in fp8 else 'INT4'}, but {why}: its weights would load wrong")
                 break
         fmt = qc.get("format")
+        if scheme.startswith("W4AFP8"):
+            notes.append(W4AFP8_GPUS[engine])
         if fmt in FP4_GPUS:
             if engine == SGLANG and fmt == "mxfp4-pack-quantized" and any(".experts." not in m for m in int4):
                 loads = False
@@ -125,6 +127,16 @@ FP4_GPUS = {
 }
 
 
+# W4AFP8 (vLLM 0.33: _is_fp8_w4a8_sm90 matches SM 9.0 exactly, CompressedTensorsW4A8Fp8; SGLang 0.5.23:
+# _is_wint4afp8 -> CompressedTensorsW4AFP8MoE for experts, _is_wNa16_group_channel -> CompressedTensorsWNA16 for
+# dense Linears, which ignores the activation scheme)
+W4AFP8_GPUS = {
+    VLLM: "Hopper (SM 9.0) only: FP8 activations into CUTLASS W4A8 GEMMs; on other GPUs no scheme matches",
+    SGLANG: "routed experts in CUTLASS W4A8 MoE (SM 9.0); dense Linears as INT4 W4A16 Marlin (their FP8 "
+                     "activation scheme is not used)",
+}
+
+
 def _scheme_label(qc: dict) -> str:
     groups = list((qc.get("config_groups") or {}).values())
     w = (groups[0].get("weights") or {}) if groups else {}
@@ -133,6 +145,8 @@ def _scheme_label(qc: dict) -> str:
         return "NVFP4A16 (FP4 g16)"
     if fmt == "mxfp4-pack-quantized":
         return "MXFP4A16 (FP4 g32)"
+    if fmt == "pack-quantized" and groups and (groups[0].get("input_activations") or {}).get("type") == "float":
+        return f"W4AFP8 (INT4 g{w.get('group_size')}, FP8 activations)"
     if fmt == "pack-quantized":
         return f"W4A16 INT4 g{w.get('group_size')}"
     if fmt == "float-quantized":

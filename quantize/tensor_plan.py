@@ -245,6 +245,13 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
         if recipe.scheme.fp8_block:
             raise UsageError(f"--tp {tp} cannot serve this FP8 block output: some rank's slice of a Linear would not "
                              f"start on a 128 block; it serves at TP {served or 'none'}")
+        if experts_quantized and recipe.scheme.w4afp8:
+            inter = model.moe_intermediate_size
+            raise UsageError(
+                f"--tp {tp} cannot serve this W4AFP8 output: each rank's share of moe_intermediate_size ({inter} / "
+                f"{tp} = {inter / tp:g}) must be whole groups of 128 (vLLM's verify_group_size_divides_partition, "
+                f"SGLang's W4A8 MoE); it serves at TP {served or 'none'}"
+            )
         if experts_quantized:
             inter = model.moe_intermediate_size
             raise UsageError(

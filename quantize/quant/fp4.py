@@ -24,11 +24,11 @@ def _ct():
     from compressed_tensors.compressors.mx_utils import compress_mx_scale, decompress_mx_scale
     from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
     from compressed_tensors.quantization.lifecycle.forward import quantize
-    from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+    from compressed_tensors.quantization.utils import calculate_qparams, calculate_range, generate_gparam
 
     presets = ct.quant_scheme.PRESET_SCHEMES
     return {"nvfp4": presets["NVFP4A16"]["weights"], "mxfp4": presets["MXFP4A16"]["weights"],
-            "qparams": calculate_qparams, "gparam": generate_gparam, "quantize": quantize,
+            "qparams": calculate_qparams, "gparam": generate_gparam, "quantize": quantize, "range": calculate_range,
             "pack": pack_fp4_to_uint8, "unpack": unpack_fp4_from_uint8, "mx_scale": compress_mx_scale,
             "mx_unscale": decompress_mx_scale}
 
@@ -60,8 +60,7 @@ def nvfp4(w: torch.Tensor, gscale: torch.Tensor | None = None) -> tuple[torch.Te
     lo, hi = _groups(w, NVFP4_GROUP)
     scale, _ = ct["qparams"](lo, hi, args, global_scale=gscale)
     scale = scale.to(w.dtype)  # the module's weight_scale parameter is in the weight's dtype
-    q = ct["quantize"](x=w, scale=scale, zero_point=None, args=args, global_scale=gscale)
-    return ct["pack"](q), scale.to(torch.float8_e4m3fn), gscale
+    return _packed(w, scale / gscale, args), scale.to(torch.float8_e4m3fn), gscale
 
 
 def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,8 +70,30 @@ def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lo, hi = _groups(w, MXFP4_GROUP)
     scale, _ = ct["qparams"](lo, hi, args)
     scale = scale.to(w.dtype)
-    q = ct["quantize"](x=w, scale=scale, zero_point=None, args=args)
-    return ct["pack"](q), ct["mx_scale"](scale, torch.uint8)
+    return _packed(w, scale, args), ct["mx_scale"](scale, torch.uint8)
+
+
+# e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 and where |x| moves to the next one: compressed-tensors' cast_to_fp4
+# rounds ties to even, so a tie at 0.25, 1.25, 2.5 or 5 stays below and one at 0.75, 1.75 or 3.5 goes above (the
+# boundary just under it, so that bucketize's x <= boundary sends the tie up)
+_BELOW = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_BOUNDS = torch.where(torch.tensor([False, True, False, True, False, True, False]),
+                      torch.nextafter(_BELOW, torch.tensor(0.0)), _BELOW)
+
+
+def _packed(w: torch.Tensor, step: torch.Tensor, args) -> torch.Tensor:
+    """compressed-tensors' quantize (w / step per group, clamped to +-6, cast to e2m1) and FP4 packing (two codes a
+    byte, the first in the low nibble, the sign in bit 3), counting the boundaries |x| passes where the library's
+    eager CPU path runs 15 masked writes: the same bytes (tests/test_fp4.py); a 2048 x 7168 expert in 0.29 s
+    against 0.53 (torch.bucketize, one thread: 0.50)."""
+    q_min, q_max = _ct()["range"](args, w.device)
+    scaled = torch.clamp(w.unflatten(-1, (-1, args.group_size)) / step.unsqueeze(-1), q_min, q_max).flatten(-2)
+    mag = scaled.abs().float()  # exact; a bf16 comparison would round the boundaries just under a tie up to it
+    codes = torch.zeros(mag.shape, dtype=torch.uint8, device=w.device)
+    for bound in _BOUNDS.tolist():  # how many boundaries |x| is above (bucketize, but multi-threaded)
+        codes += mag > bound
+    codes |= torch.signbit(torch.sign(scaled)).to(torch.uint8) << 3  # sign(x) * e2m1: the sign of -0.0 too
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def dequantize(parts: dict[str, torch.Tensor], nvfp4: bool) -> tuple[torch.Tensor, torch.Tensor]:
