@@ -195,7 +195,7 @@ class LayerExperts:
         self.results: dict[tuple[int, str], Result] = {}
         self.counts: list[int] = []
         self._filled = self.spans[s.rank][0]
-        self._progress, self._progress_lock, self._freed = -1, threading.Lock(), 0
+        self._progress, self._freed, self._lock = -1, 0, threading.Lock()  # chunks end on several threads
 
     # -- what the layer's passes record (each rank, its own samples' tokens) --------------------------------
     def record_calibration(self, x: torch.Tensor, top_k_index: torch.Tensor, _weights: torch.Tensor) -> None:
@@ -278,14 +278,14 @@ class LayerExperts:
         del weights, h_in, h_down
         self._release(len(chunk) * expert_bytes(*self._shape(chunk[0]), self.s.dtype))
         if self.on_expert is not None and self.s.rank == 0:
-            with self._progress_lock:
+            with self._lock:
                 self._progress = max(self._progress, chunk[-1])
                 self.on_expert(self._progress, self.n)
 
     def _release(self, n_bytes: int) -> None:
         """Trim the heap once CHUNK_BYTES of chunks have come and gone: after every chunk of Kimi's experts
         (1.3 GB each), after every few of small ones (a trim takes ~13 ms: 0.15 s a layer of 128 small experts)."""
-        with self._progress_lock:
+        with self._lock:
             self._freed += n_bytes
             if self._freed < CHUNK_BYTES[False]:
                 return

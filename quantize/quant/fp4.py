@@ -1,9 +1,10 @@
 """FP4 (e2m1) weights as compressed-tensors writes them: NVFP4 (an e4m3 scale per 16 weights under one float32
 global scale per tensor, or per set of tensors an engine fuses) and MXFP4 (an e8m0 scale per 32 weights).
 
-The arithmetic is compressed-tensors' own (`calculate_qparams`, `generate_gparam`, `quantize`, the FP4 packer and
-the MX scale encoding), called with the dtypes its model-free path gives them: the weight's dtype for the group
-min/max and the local scales, float32 for the global scale. So the bytes are the library's (tests/test_fp4.py
+The arithmetic is compressed-tensors' own (`calculate_qparams`, `generate_gparam`, its range, unpacking and MX
+scale encoding), called with the dtypes its model-free path gives them: the weight's dtype for the group min/max
+and the local scales, float32 for the global scale; only the e2m1 cast and packing are ours (`_packed`, faster,
+the same bytes). So the bytes are the library's (tests/test_fp4.py
 compares them with llm-compressor's model_free_ptq converter tensor by tensor); what is ours is the streaming
 and the fused sets' shared global scale, computed from every member's max without a second pass.
 """
@@ -22,14 +23,13 @@ MXFP4_GROUP = 32
 def _ct():
     ct = hf.compressed_tensors()
     from compressed_tensors.compressors.mx_utils import compress_mx_scale, decompress_mx_scale
-    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8, unpack_fp4_from_uint8
-    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization.utils import calculate_qparams, calculate_range, generate_gparam
 
     presets = ct.quant_scheme.PRESET_SCHEMES
     return {"nvfp4": presets["NVFP4A16"]["weights"], "mxfp4": presets["MXFP4A16"]["weights"],
-            "qparams": calculate_qparams, "gparam": generate_gparam, "quantize": quantize, "range": calculate_range,
-            "pack": pack_fp4_to_uint8, "unpack": unpack_fp4_from_uint8, "mx_scale": compress_mx_scale,
+            "qparams": calculate_qparams, "gparam": generate_gparam, "range": calculate_range,
+            "unpack": unpack_fp4_from_uint8, "mx_scale": compress_mx_scale,
             "mx_unscale": decompress_mx_scale}
 
 
