@@ -5,6 +5,9 @@ Source formats are decoded here to a float tensor on demand:
   fp8-block        DeepSeek V3 / Kimi K2: fp8 `X.weight` + float32 `X.weight_scale_inv`, 128x128 blocks
   ct-fp8           compressed-tensors float-quantized: fp8 `X.weight` + `X.weight_scale` (tensor or channel)
   ct-int4          compressed-tensors pack-quantized: `X.weight_packed`, `X.weight_scale`, `X.weight_shape`
+  ct-nvfp4         compressed-tensors nvfp4-pack-quantized: uint8 `X.weight_packed` (two e2m1 codes a byte), e4m3
+                   `X.weight_scale` per 16, float32 `X.weight_global_scale` (and, W4A4, `X.input_global_scale`)
+  ct-mxfp4         compressed-tensors mxfp4-pack-quantized: `X.weight_packed`, e8m0 `X.weight_scale` bytes per 32
 A weight's scale may sit in another shard than the weight; every part is looked up by name across shards.
 """
 
@@ -17,25 +20,28 @@ import torch
 
 from quantize.errors import QuantizeError
 from quantize.hub import snapshot_roots
-from quantize.quant import fp8, pack, rtn
+from quantize.quant import fp4, fp8, pack, rtn
 from quantize.safetensors_file import TensorInfo, read_header, read_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 PACKED_PARTS = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx")
+FP4_PARTS = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
+FP4_FORMATS = {"nvfp4-pack-quantized": "ct-nvfp4", "mxfp4-pack-quantized": "ct-mxfp4"}
 
 
 @dataclass(frozen=True)
 class SourceFormat:
     """How the checkpoint stores its quantized weights, if any."""
 
-    kind: str  # float | fp8-block | ct-fp8 | ct-int4
+    kind: str  # float | fp8-block | ct-fp8 | ct-int4 | ct-nvfp4 | ct-mxfp4
     block: tuple[int, int] | None = None  # fp8-block
     num_bits: int | None = None  # ct-int4
     group_size: int | None = None
     symmetric: bool | None = None
     ignore: tuple[str, ...] = ()
+    w4a4: bool = False  # ct-nvfp4 with NVFP4 activations (each Linear's input_global_scale)
 
 
 @dataclass(frozen=True)
@@ -44,7 +50,7 @@ class LogicalTensor:
 
     name: str
     shape: tuple[int, ...]
-    encoding: str  # float | fp8-block | ct-fp8 | ct-int4
+    encoding: str  # float | fp8-block | ct-fp8 | ct-int4 | ct-nvfp4 | ct-mxfp4
     parts: dict[str, TensorInfo] = field(hash=False)
 
     @property
@@ -98,7 +104,12 @@ def _source_format(config: dict) -> SourceFormat:
                 symmetric=weights.get("symmetric", True),
                 ignore=ignore,
             )
-        raise QuantizeError(f"compressed-tensors format {fmt!r} is not supported as input (float-quantized, pack-quantized are)")
+        if fmt in FP4_FORMATS:
+            acts = (groups[0].get("input_activations") or {}) if groups else {}
+            return SourceFormat(FP4_FORMATS[fmt], group_size=weights.get("group_size"), ignore=ignore,
+                                w4a4=acts.get("type") == "float" and acts.get("num_bits") == 4)
+        raise QuantizeError(f"compressed-tensors format {fmt!r} is not supported as input (float-quantized, "
+                            f"pack-quantized, {', '.join(FP4_FORMATS)} are)")
     raise QuantizeError(
         f"quantization_config.quant_method {method!r} is not supported as input "
         "(supported: none, fp8 with weight_block_size, compressed-tensors)"
@@ -182,7 +193,17 @@ class Checkpoint:
         out: dict[str, LogicalTensor] = {}
         for name, info in stored.items():
             module, _, leaf = name.rpartition(".")
-            if leaf == "weight_packed":
+            if leaf == "weight_packed" and fmt in FP4_FORMATS.values():
+                parts = {p: stored[f"{module}.{p}"] for p in FP4_PARTS if f"{module}.{p}" in stored}
+                for p in ("weight_scale", *(("weight_global_scale",) if fmt == "ct-nvfp4" else ())):
+                    if p not in parts:
+                        raise QuantizeError(
+                            f"{info.path.name}: {name} has no {module}.{p} in any shard; the checkpoint is incomplete"
+                        )
+                shape = (info.shape[0], 2 * info.shape[1])  # two codes a byte
+                out[f"{module}.weight"] = LogicalTensor(f"{module}.weight", shape, fmt, parts)
+                consumed.update(p.name for p in parts.values())
+            elif leaf == "weight_packed":
                 parts = {p: stored[f"{module}.{p}"] for p in PACKED_PARTS if f"{module}.{p}" in stored}
                 for p in ("weight_scale", "weight_shape"):
                     if p not in parts:
@@ -209,7 +230,8 @@ class Checkpoint:
             if name in consumed or name in out:
                 continue
             leaf = name.rpartition(".")[2]
-            if leaf in ("weight_scale_inv", "weight_scale", "weight_shape", "weight_zero_point", "input_scale"):
+            if leaf in ("weight_scale_inv", "weight_scale", "weight_shape", "weight_zero_point", "input_scale",
+                        "weight_global_scale", "input_global_scale"):
                 raise QuantizeError(f"{info.path.name}: {name} has no weight it belongs to; the checkpoint is inconsistent")
             out[name] = LogicalTensor(name, info.shape, "float", {"tensor": info})
         return dict(sorted(out.items(), key=lambda kv: (self.shards.index(kv[1].main.path), kv[1].main.start)))
@@ -252,6 +274,8 @@ def decode_parts(t: LogicalTensor, parts: dict[str, torch.Tensor], fmt: SourceFo
         if fmt.block and tuple(parts["scale"].shape) == fp8.block_grid(t.shape, fmt.block):
             return fp8.dequantize_block(parts["tensor"], parts["scale"], fmt.block, dtype)
         return fp8.dequantize_scaled(parts["tensor"], parts["scale"], dtype)
+    if t.encoding in ("ct-nvfp4", "ct-mxfp4"):
+        return fp4.dequantize(parts, t.encoding == "ct-nvfp4")[0].to(dtype)
     q = pack.unpack_int4(parts["weight_packed"])[:, : t.shape[1]]
     zp = parts.get("weight_zero_point")
     if zp is not None:

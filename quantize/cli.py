@@ -112,7 +112,9 @@ SCHEME_OPTION = click.option(
     "weights with FP8 per-token activations: FP8 GEMMs on Hopper); fp8-block (e4m3, 128x128 "
     "block scales, compressed-tensors FP8_BLOCK; for prefill servers); nvfp4a16 (FP4 e2m1, an e4m3 scale per 16 "
     "under a global scale shared by the Linears an engine fuses; native on Blackwell, weight-only Marlin on "
-    "Hopper) or mxfp4a16 (FP4, an e8m0 scale per 32). FP4 schemes are round-to-nearest (--method rtn).")
+    "Hopper); nvfp4 (the same weights with NVFP4 activations, W4A4: FP4 GEMMs on Blackwell; each Linear's "
+    "input_global_scale measured on the calibration inputs, so --method gptq) or mxfp4a16 (FP4, an e8m0 scale per "
+    "32). FP4 schemes take --method rtn or gptq (FP4 codes under the round-to-nearest scales).")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -344,7 +346,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             as_json):
     """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT, or W4AFP8 (--scheme w4afp8: the
     same weights, FP8 activations on Hopper), FP8 blocks (--scheme fp8-block, compressed-tensors FP8_BLOCK), FP4
-    (--scheme nvfp4a16 | mxfp4a16), or INT4 and FP8 blocks at once (--prefill-out: FP8 for prefill servers).
+    (--scheme nvfp4a16 | nvfp4 | mxfp4a16), or INT4 and FP8 blocks at once (--prefill-out: FP8 for prefill servers).
 
     \b
     Methods: rtn streams tensor by tensor (no data, no model). gptq and awq run the layerwise engine:
@@ -585,7 +587,8 @@ def verify(out_dir, source, deep, workers, as_json):
 @click.option("--kv-budget-gib", type=float, help="KV cache per GPU in GiB, instead of deriving it from memory.")
 @click.option("--kv-dtype", type=click.Choice(["bf16", "fp8", "both"]), default="both", show_default=True)
 @click.option("--weights", default="as-is", show_default=True,
-              help="'as-is' (the source's own format), 'fp8-block', or a recipe YAML to compare its output against it.")
+              help="'as-is' (the source's own format); a scheme (w4a16 at group 128, w4afp8, fp8-block, nvfp4a16, "
+              "nvfp4, mxfp4a16) or a recipe YAML to compare its output against it; 'schemes': a row for every scheme.")
 @click.option("--disaggregated", is_flag=True,
               help="Show the prefill/decode pair: prefill on FP8 blocks of every Linear but lm_head, decode on --weights.")
 @click.option("--context-len", default=131072, show_default=True, help="Context per request, for max requests.")
@@ -608,12 +611,20 @@ def plan_(src, gpus, tp, dp, gpu, gpu_mem_gib, mem_fraction, overhead_gib, kv_bu
       quantize plan path/to/Kimi-K2-Instruct/config.json --kv-budget-gib 44.9
       quantize plan path/to/GLM-5-FP8 --weights recipes/glm-w4a16.yaml --gpu h200 --tp 8
       quantize plan path/to/GLM-5-FP8 --weights recipes/glm-w4a16.yaml --disaggregated
+      quantize plan path/to/GLM-5-FP8 --weights schemes --gpu b200   # INT4, W4AFP8, FP8, NVFP4, MXFP4 side by side
     """
     from quantize import plan
 
     try:
-        r = None if weights == "as-is" else (recipes.preset(weights, 128) if weights in recipes.SCHEMES and
-                                              not Path(weights).exists() else recipes.load(Path(weights)))
+        def preset(name: str):  # sizes only: W4A4 is calibrated, which does not change its bytes
+            return recipes.preset(name, 128, method="gptq" if name == "nvfp4" else "rtn")
+        if weights == "schemes" and not Path(weights).exists():
+            if disaggregated:
+                raise click.UsageError("--disaggregated takes one decode recipe or scheme, not --weights schemes")
+            r = [preset(name) for name in recipes.SCHEMES]
+        else:
+            r = None if weights == "as-is" else (preset(weights) if weights in recipes.SCHEMES and
+                                                  not Path(weights).exists() else recipes.load(Path(weights)))
         setup = plan.Setup(gpus=gpus, tp=tp, dp=dp, gpu_mem_gib=gpu_mem_gib or plan.GPUS[gpu],
                            mem_fraction=mem_fraction, overhead_gib=overhead_gib, kv_budget_gib=kv_budget_gib,
                            context_len=context_len, mtp=mtp)

@@ -144,7 +144,9 @@ def recipe_bytes(recipe, family: str, include_mtp: bool = False):
             if s.fp8_block:
                 return _fp8_block_bytes(shape, tuple(s.block_structure))
             if s.fp4:  # half a byte a weight, a one-byte scale a group, NVFP4's float32 global scale
-                return math.prod(shape) // 2 + math.prod(shape) // s.group_size + (4 if s.fp4 == "nvfp4" else 0)
+                # (and with NVFP4 activations, the float32 input_global_scale)
+                return math.prod(shape) // 2 + math.prod(shape) // s.group_size + (4 if s.fp4 == "nvfp4" else 0) \
+                    + (4 if s.w4a4 else 0)
             return _int4_bytes(shape, s.num_bits, s.group_size, s.symmetric)
         return math.prod(shape) * _float_bytes(name)
 
@@ -389,6 +391,8 @@ def _label(recipe) -> str:
         kind = "FP8 blocks"
     elif s.w4afp8:
         kind = f"INT4 g{s.group_size} + FP8 activations"
+    elif s.w4a4:
+        kind = "NVFP4 (W4A4)"
     elif s.fp4:
         kind = f"{s.fp4.upper()}A16"
     else:
@@ -457,8 +461,8 @@ def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None, disaggregate
         rows.append(("or one checkpoint for both: " + _label(single), under(single)))
         notes.append("or one checkpoint for both phases: W4AFP8 (`--scheme w4afp8`) keeps INT4's memory and runs FP8 "
                      "GEMMs on Hopper (SM 9.0 in vLLM), so prefill does not widen INT4 to BF16")
-    elif recipe is not None:
-        rows.append((_label(recipe), under(recipe)))
+    elif recipe is not None:  # one recipe, or several side by side (plan --weights schemes)
+        rows += [(_label(r), under(r)) for r in (recipe if isinstance(recipe, list) else [recipe])]
     scenarios = [scenario(label, w, cfg, kv, setup, model.num_mtp_layers) for kv in kv_dtypes for label, w in rows]
     if layout is None and (is_glm5(cfg) or is_kimi_k2(cfg)):
         _, layout = layout_from_config(cfg)

@@ -56,12 +56,19 @@ class Scheme:
     type: str = "int"
     block_structure: list[int] | None = None  # FP8_BLOCK: [128, 128]
     # "fp8": INT4 weights with FP8 (e4m3) per-token dynamic activations, compressed-tensors' W4AFP8: the same
-    # weights as W4A16 g128, and FP8 tensor-core GEMMs on Hopper
+    # weights as W4A16 g128, and FP8 tensor-core GEMMs on Hopper. "nvfp4": NVFP4 weights with NVFP4 activations
+    # (compressed-tensors' NVFP4, W4A4: e4m3 scales per 16 computed at run time under a global scale per Linear
+    # that calibration measures, `input_global_scale`), FP4 tensor-core GEMMs on Blackwell
     activations: str | None = None
 
     @property
     def w4afp8(self) -> bool:
         return self.activations == "fp8"
+
+    @property
+    def w4a4(self) -> bool:
+        """NVFP4 weights and activations: each quantized Linear also stores input_global_scale."""
+        return self.activations == "nvfp4"
 
     @property
     def fp8_block(self) -> bool:
@@ -87,6 +94,8 @@ class Scheme:
     def label(self) -> str:
         if self.fp8_block:
             return "fp8 block {}x{}".format(*self.block_structure)
+        if self.w4a4:
+            return f"nvfp4 g{self.group_size} (w4a4)"
         if self.fp4:
             return f"{self.fp4}a16 g{self.group_size}"
         if self.w4afp8:
@@ -147,9 +156,10 @@ class Recipe:
         fmt = self.scheme.format
         if self.scheme.fp8_block:
             group = QuantizationScheme(targets=list(self.targets), format=fmt, **self.scheme.preset_fp8_block())
-        elif self.scheme.w4afp8:
+        elif self.scheme.w4afp8 or self.scheme.w4a4:
+            preset = "W4AFP8" if self.scheme.w4afp8 else "NVFP4"
             group = QuantizationScheme(targets=list(self.targets), weights=self.scheme.args(), format=fmt,
-                                       input_activations=ct.quant_scheme.PRESET_SCHEMES["W4AFP8"]["input_activations"])
+                                       input_activations=ct.quant_scheme.PRESET_SCHEMES[preset]["input_activations"])
         else:
             group = QuantizationScheme(targets=list(self.targets), weights=self.scheme.args(), format=fmt)
         qc = QuantizationConfig(
@@ -198,6 +208,9 @@ def _scheme(raw: object, where: str) -> Scheme:
         if (s.strategy, s.group_size, s.symmetric) not in (("tensor_group", 16, True), ("group", 32, True)):
             raise UsageError(f"{where}: FP4 schemes are NVFP4 (strategy tensor_group, group_size 16) or MXFP4 "
                              "(strategy group, group_size 32), symmetric")
+        if s.activations not in (None, "nvfp4") or (s.activations and s.fp4 != "nvfp4"):
+            raise UsageError(f"{where}: FP4 weights take activations: nvfp4 (NVFP4 W4A4, with NVFP4 weights only) or "
+                             f"none (A16); got activations {s.activations!r} with {s.fp4.upper()} weights")
         return s
     if isinstance(raw, dict) and raw.get("type") == "float":
         # group_size has no meaning for blocks; leave it out rather than carry the INT4 default
@@ -267,9 +280,12 @@ def from_dict(raw: object, where: str) -> Recipe:
     if kv_cache not in (None, *KV_CACHE):
         raise UsageError(f"{where}: kv_cache {kv_cache!r} is not available; choose one of {KV_CACHE} or leave it out")
     scheme = _scheme(raw.get("scheme", {}), where)
-    if scheme.fp4 and method != "rtn":
-        raise UsageError(f"{where}: FP4 weights are written data-free for now (round to nearest, as model_free_ptq); "
-                         "use method rtn")
+    if scheme.w4a4 and method != "gptq":
+        raise UsageError(f"{where}: NVFP4 activations (W4A4) need each Linear's input_global_scale, measured on "
+                         "calibration inputs: use method gptq with calibration data (--method gptq --calib FILE)")
+    if scheme.fp4 and method == "awq":
+        raise UsageError(f"{where}: FP4 weights are quantized by round to nearest or GPTQ; AWQ's scale search is "
+                         "INT4's here: use method rtn or gptq")
     if scheme.fp8_block and method != "rtn":
         raise UsageError(f"{where}: FP8 block weights are data-free (max per block, as compressed-tensors' FP8_BLOCK); "
                          "use method rtn")
@@ -306,9 +322,10 @@ def load(path: Path) -> Recipe:
     return from_dict(raw, str(path))
 
 
-SCHEMES = ("w4a16", "w4afp8", "fp8-block", "nvfp4a16", "mxfp4a16")
+SCHEMES = ("w4a16", "w4afp8", "fp8-block", "nvfp4a16", "nvfp4", "mxfp4a16")
 FP8_BLOCK = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}
 FP4 = {"nvfp4a16": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
+       "nvfp4": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16, "activations": "nvfp4"},
        "mxfp4a16": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}}
 FP4_PRESETS = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}  # compressed-tensors' preset of each
 

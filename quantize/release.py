@@ -149,6 +149,7 @@ def model_card(*, repo_id: str, base_model: str | None, license: str | None, rec
 
     s = recipe.scheme
     fmt, tag, what = ("fp8", "fp8-block", "FP8 block") if s.fp8_block else \
+        ("fp4", "nvfp4", "FP4 weights and activations (NVFP4, W4A4)") if s.w4a4 else \
         ("fp4", f"{s.fp4}a16", f"FP4 ({s.fp4.upper()}A16)") if s.fp4 else \
         ("int4", "w4afp8", "INT4 with FP8 activations (W4AFP8)") if s.w4afp8 else ("int4", "w4a16", "INT4 (W4A16)")
     data = ModelCardData(

@@ -88,7 +88,9 @@ def matrix(config: dict, names: list[str]) -> list[Row]:
         fmt = qc.get("format")
         if scheme.startswith("W4AFP8"):
             notes.append(W4AFP8_GPUS[engine])
-        if fmt in FP4_GPUS:
+        if scheme.startswith("NVFP4 (W4A4"):
+            notes.append(NVFP4_W4A4_GPUS[engine])
+        elif fmt in FP4_GPUS:
             if engine == SGLANG and fmt == "mxfp4-pack-quantized" and any(".experts." not in m for m in int4):
                 loads = False
                 notes.append("SGLang takes a dense MXFP4 Linear for an INT W4A16 one (_is_wNa16_group_channel checks "
@@ -127,6 +129,20 @@ FP4_GPUS = {
 }
 
 
+# NVFP4 W4A4 (vLLM 0.33: CompressedTensorsConfig._get_scheme_from_parts -> CompressedTensorsW4A4Fp4() when the
+# activations are NVFP4 too, init_nvfp4_linear_kernel(use_a16=False) choosing a Blackwell FP4 GEMM where one is
+# supported, and CompressedTensorsW4A4Nvfp4MoEMethod, which folds 1 / w13_input_global_scale into the kernels (the
+# max over experts for FlashInfer's shared-scale backends); SGLang 0.5.23: _is_fp4a4_nvfp4 ->
+# CompressedTensorsW4A4Fp4 / CompressedTensorsW4A4Nvfp4MoE, min capability 10.0, else
+# CompressedTensorsW4A16Fp4(has_input_global_scale=True): FP4 Marlin, the activation scales dropped)
+NVFP4_W4A4_GPUS = {
+    VLLM: "NVFP4 activations into FP4 tensor-core GEMMs on Blackwell (SM 10.x/12.x: CUTLASS, FlashInfer); "
+          "where no W4A4 kernel is supported, weight-only FP4 Marlin",
+    SGLANG: "W4A4 on compute capability >= 10.0 (CompressedTensorsW4A4Fp4, W4A4 MoE); below it weight-only FP4 "
+            "Marlin, input_global_scale dropped (activations stay BF16)",
+}
+
+
 # W4AFP8 (vLLM 0.33: _is_fp8_w4a8_sm90 matches SM 9.0 exactly, CompressedTensorsW4A8Fp8; SGLang 0.5.23:
 # _is_wint4afp8 -> CompressedTensorsW4AFP8MoE for experts, _is_wNa16_group_channel -> CompressedTensorsWNA16 for
 # dense Linears, which ignores the activation scheme)
@@ -141,6 +157,8 @@ def _scheme_label(qc: dict) -> str:
     groups = list((qc.get("config_groups") or {}).values())
     w = (groups[0].get("weights") or {}) if groups else {}
     fmt = qc.get("format") or (groups[0].get("format") if groups else None)
+    if fmt == "nvfp4-pack-quantized" and groups and (groups[0].get("input_activations") or {}).get("num_bits") == 4:
+        return "NVFP4 (W4A4, FP4 g16)"
     if fmt == "nvfp4-pack-quantized":
         return "NVFP4A16 (FP4 g16)"
     if fmt == "mxfp4-pack-quantized":

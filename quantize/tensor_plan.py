@@ -78,8 +78,11 @@ def quantized_specs(name: str, shape: tuple[int, ...], recipe: Recipe, scale_dty
         packed = TensorSpec(f"{module}.weight_packed", "U8", (out_f, in_f // 2))
         if recipe.scheme.fp4 == "mxfp4":
             return packed, TensorSpec(f"{module}.weight_scale", "U8", (out_f, in_f // recipe.scheme.group_size))
-        return (packed, TensorSpec(f"{module}.weight_scale", "F8_E4M3", (out_f, in_f // recipe.scheme.group_size)),
-                TensorSpec(f"{module}.weight_global_scale", "F32", (1,)))
+        specs = (packed, TensorSpec(f"{module}.weight_scale", "F8_E4M3", (out_f, in_f // recipe.scheme.group_size)),
+                 TensorSpec(f"{module}.weight_global_scale", "F32", (1,)))
+        if recipe.scheme.w4a4:  # the activations' global scale (NVFP4 W4A4), measured by calibration
+            specs += (TensorSpec(f"{module}.input_global_scale", "F32", (1,)),)
+        return specs
     if recipe.scheme.fp8_block:
         grid = fp8.block_grid(shape, tuple(recipe.scheme.block_structure))
         return TensorSpec(name, "F8_E4M3", shape), TensorSpec(f"{module}.weight_scale", scale_dtype, grid)
@@ -117,8 +120,8 @@ def fused_sets(names: list[str]) -> dict[str, tuple[str, ...]]:
 
 def _same_scheme(ckpt: Checkpoint, recipe: Recipe) -> bool:
     f, s = ckpt.format, recipe.scheme
-    if s.fp4:
-        return False  # no source format of ours is FP4 yet: every weight is quantized
+    if s.fp4:  # the same layout, and for NVFP4 the same activations: W4A4's input scales pass through with it
+        return f.kind == f"ct-{s.fp4}" and f.w4a4 == s.w4a4
     if s.fp8_block:
         return f.kind == "ct-fp8" and f.block == tuple(s.block_structure)
     return f.kind == "ct-int4" and (f.num_bits, f.group_size, f.symmetric) == (s.num_bits, s.group_size, s.symmetric)
@@ -228,8 +231,14 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
             )
         if any(e.action == "dequantize" and e.tensor.encoding == "ct-int4" for e in entries):
             warnings.append("INT4 source weights the recipe does not target are written back as BF16 (larger)")
+    if ckpt.format.kind in ("ct-nvfp4", "ct-mxfp4"):
+        fmt = "NVFP4" + (" W4A4" if ckpt.format.w4a4 else "A16") if ckpt.format.kind == "ct-nvfp4" else "MXFP4A16"
+        if any(e.tensor.encoding == ckpt.format.kind and e.action == "quantize" for e in entries):
+            warnings.append(f"source is {fmt}; another scheme dequantizes and re-quantizes its weights (error compounds)")
+        if any(e.action == "dequantize" and e.tensor.encoding == ckpt.format.kind for e in entries):
+            warnings.append(f"{fmt} source weights the recipe does not target are written back as BF16 (larger)")
     if recipe.method != "rtn" and any(e.action == "passthrough" for e in entries):
-        warnings.append(f"source weights already in this INT4 scheme are passed through as they are; {recipe.method} "
+        warnings.append(f"source weights already in this scheme are passed through as they are; {recipe.method} "
                         "is applied only to weights that are re-quantized")
     experts_quantized = any(e.role.kind == "expert" and e.action != "keep" for e in entries)
     if recipe.scheme.fp8_block:

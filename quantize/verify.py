@@ -208,7 +208,9 @@ def _check_quantized(headers: dict[str, dict[str, TensorInfo]], config: dict, re
         _check_fp8_blocks(infos, config, report)
         return
     if qc.get("format") in FP4_FORMATS:
-        _check_fp4(infos, qc["format"], report)
+        acts = [g.get("input_activations") for g in (qc.get("config_groups") or {}).values()]
+        _check_fp4(infos, qc["format"], any(a and a.get("type") == "float" and a.get("num_bits") == 4 for a in acts),
+                   report)
         return
     groups = {w.get("group_size") for w in _schemes(config)}
     symmetric = {bool(w.get("symmetric", True)) for w in _schemes(config)}
@@ -241,9 +243,11 @@ def _check_quantized(headers: dict[str, dict[str, TensorInfo]], config: dict, re
         _check_scale(scale, module, report)
 
 
-def _check_fp4(infos: dict[str, TensorInfo], fmt: str, report: Report) -> None:
+def _check_fp4(infos: dict[str, TensorInfo], fmt: str, w4a4: bool, report: Report) -> None:
     """nvfp4- / mxfp4-pack-quantized: every uint8 weight_packed [out, in/2] has its weight_scale [out, in/group]
-    (e4m3 for NVFP4, e8m0 bytes for MXFP4) and, for NVFP4, a finite positive float32 weight_global_scale [1]."""
+    (e4m3 for NVFP4, e8m0 bytes for MXFP4) and, for NVFP4, a finite positive float32 weight_global_scale [1]; with
+    NVFP4 activations (w4a4) an input_global_scale of the same kind too (vLLM's CompressedTensorsW4A4Fp4
+    registers it, and the MoE's w13/w2_input_global_scale)."""
     find = report.findings.append
     nv = fmt == "nvfp4-pack-quantized"
     group, scale_dtype = (16, "F8_E4M3") if nv else (32, "U8")
@@ -263,10 +267,15 @@ def _check_fp4(infos: dict[str, TensorInfo], fmt: str, report: Report) -> None:
                          f"[out, in/{group}])"))
             continue
         if nv:
-            g = read_tensor(gscale).float()
-            if gscale.dtype != "F32" or g.shape != (1,) or not bool(torch.isfinite(g).all() and (g > 0).all()):
-                find(Finding(file, module, f"weight_global_scale {gscale.dtype} {list(g.shape)} is not one finite "
-                             "positive float32"))
+            bad = False
+            for which in ("weight_global_scale", "input_global_scale") if w4a4 else ("weight_global_scale",):
+                info = infos.get(f"{module}.{which}")
+                g = None if info is None else read_tensor(info).float()
+                if g is None or info.dtype != "F32" or g.shape != (1,) or not bool(torch.isfinite(g).all() and (g > 0).all()):
+                    what = "missing" if g is None else f"{info.dtype} {list(g.shape)}, not one finite positive float32"
+                    find(Finding(file, module, f"{which} {what}"))
+                    bad = True
+            if bad:
                 continue
             _check_scale(scale, module, report)
 
@@ -331,7 +340,7 @@ def _deep(headers: dict[str, dict[str, TensorInfo]], source: Path | None, manife
         _deep_fp8(infos, ckpt, tuple(block), report)
         return
     if scheme.get("type") == "float" and scheme.get("num_bits") == 4:
-        _deep_fp4(infos, ckpt, scheme.get("strategy") == "tensor_group", report)
+        _deep_fp4(infos, ckpt, scheme.get("strategy") == "tensor_group", method, report)
         return
     for name in sorted(t for t in infos if t.endswith(QUANTIZED_SUFFIX)):
         module = name[: -len(QUANTIZED_SUFFIX)]
@@ -387,10 +396,11 @@ def _deep_fp8(infos: dict[str, TensorInfo], ckpt, block: tuple[int, int], report
             find(Finding(file, name, f"{int((excess > 0).sum())} elements further from the source than FP8 rounding"))
 
 
-def _deep_fp4(infos: dict[str, TensorInfo], ckpt, nvfp4: bool, report: Report) -> None:
+def _deep_fp4(infos: dict[str, TensorInfo], ckpt, nvfp4: bool, method: str, report: Report) -> None:
     """Each FP4 weight, dequantized by compressed-tensors' own compressor, within e2m1's rounding of the source:
     half the widest gap of e2m1 (1, between 4 and 6) of its group's effective scale, plus the scale's own rounding
-    (e4m3: 2^-4 relative, so up to 2^-4 of |w| where the clamp at 6 bites; e8m0 rounds the scale up, never down)."""
+    (e4m3: 2^-4 relative, so up to 2^-4 of |w| where the clamp at 6 bites; e8m0 rounds the scale up, never down).
+    GPTQ's codes may move further: within a relative error of 0.5 per tensor, as for INT4."""
     from quantize.quant import fp4
 
     find = report.findings.append
@@ -407,6 +417,11 @@ def _deep_fp4(infos: dict[str, TensorInfo], ckpt, nvfp4: bool, report: Report) -
         report.deep_checked += 1
         if not torch.isfinite(deq).all():
             find(Finding(file, module, "dequantizes to NaN or Inf"))
+            continue
+        if method != "rtn":
+            rel = float((w - deq).norm() / w.norm().clamp(min=1e-30))
+            if rel > 0.5:
+                find(Finding(file, module, f"relative error {rel:.2f} against the source (> 0.5)"))
             continue
         step = step.repeat_interleave(w.shape[1] // step.shape[1], dim=1)
         excess = (w - deq).abs() - (step * (1 + 2**-3) + w.abs() * 2**-4 + 2**-20)

@@ -157,12 +157,13 @@ def synthetic_kimi(out: Path, size_gb: float | None = None, n_shards: int = 4, d
 REFERENCE = r"""
 import sys, torch
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from compressed_tensors.entrypoints.convert.converters.fp8block_dequantizer import FP8BlockDequantizer
 from llmcompressor.entrypoints.model_free import model_free_ptq
 src, out, device, ignore, which = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split(","), sys.argv[5]
 scheme = QuantizationScheme(targets=[r"re:.*mlp\.experts\.\d+\.(gate|up|down)_proj$"],
     weights=QuantizationArgs(num_bits=4, group_size=32, symmetric=True, strategy="group", type="int"))
-if which in ("fp8-block", "nvfp4a16", "mxfp4a16"):
+if which in ("fp8-block", "nvfp4a16", "mxfp4a16", "w4afp8"):
     scheme = which.replace("-", "_").upper()
 dequant = FP8BlockDequantizer(targets=[r"re:.*_proj$", r"re:.*kv_a_proj_with_mqa$"], dtype=torch.bfloat16)
 model_free_ptq(src, out, scheme=scheme, ignore=ignore, max_workers=1, device=device, converter=dequant)
@@ -204,8 +205,11 @@ def compare_outputs(ours: Path, theirs: Path) -> dict:
     from safetensors import safe_open
 
     def where(folder: Path) -> dict[str, Path]:
-        idx = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
-        return {k: folder / v for k, v in idx.items()}
+        index = folder / "model.safetensors.index.json"
+        if not index.exists():  # one unsharded file
+            with safe_open(folder / "model.safetensors", "pt") as f:
+                return dict.fromkeys(f.keys(), folder / "model.safetensors")
+        return {k: folder / v for k, v in json.loads(index.read_text())["weight_map"].items()}
 
     a, b = where(ours), where(theirs)
     common = sorted(set(a) & set(b))
@@ -256,7 +260,30 @@ def bench_rtn(args) -> dict:
         "rss_over_largest_shard": ours["peak_rss"] / largest,
         "parity": compare_outputs(ours_out, ref_out),
     }
+    if args.scheme == "w4afp8":
+        result["w4afp8_codes"] = compare_unpacked_codes(ours_out, ref_out)
     return result
+
+
+def compare_unpacked_codes(ours: Path, theirs: Path) -> dict:
+    """Our pack-quantized INT4 codes against model_free_ptq's int-quantized ones (int8 `X.weight`), module by
+    module, read one at a time."""
+    from safetensors import safe_open
+
+    from quantize.quant import pack
+
+    def where(folder: Path) -> dict[str, Path]:
+        return {k: folder / v for k, v in json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].items()}
+
+    a, b = where(ours), where(theirs)
+    modules = [k.removesuffix(".weight_packed") for k in a if k.endswith(".weight_packed")]
+    differ = []
+    for m in modules:
+        with safe_open(a[f"{m}.weight_packed"], "pt") as fa, safe_open(b[f"{m}.weight"], "pt") as fb:
+            mine, ref = fa.get_tensor(f"{m}.weight_packed"), fb.get_tensor(f"{m}.weight")
+        if ref.dtype != torch.int8 or not torch.equal(pack.unpack_int4(mine)[:, :ref.shape[1]], ref):
+            differ.append(m)
+    return {"modules_compared": len(modules), "differ": len(differ), "differ_examples": differ[:5]}
 
 
 ONESHOT = r"""
@@ -264,6 +291,7 @@ import json, sys, torch
 from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 from llmcompressor import oneshot
 from llmcompressor.modifiers.gptq import GPTQModifier
 from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -272,12 +300,20 @@ if not torch.cuda.is_available():
     # llm-compressor 0.14's AWQ pins its activation cache, which needs an accelerator; on CPU pinning is moot
     from llmcompressor.pipelines.cache import IntermediatesCache
     IntermediatesCache.pin_memory = lambda self, *a, **k: None
-src, out, samples_file, group, method = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+src, out, samples_file, group, method, preset = sys.argv[1:3] + [sys.argv[3], int(sys.argv[4])] + sys.argv[5:7]
 ids = json.load(open(samples_file))
 ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
 model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, group_size=group, symmetric=True,
-                                                                          strategy="group", type="int"))
+if preset == "w4a16":
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, group_size=group,
+                                                                              symmetric=True, strategy="group", type="int"))
+else:  # the library's own preset, e.g. NVFP4A16
+    scheme = QuantizationScheme(targets=["Linear"], **PRESET_SCHEMES[preset.upper()])
+if method == "rtn":  # weights only, data-free: no calibration set
+    oneshot(model=model, recipe=QuantizationModifier(config_groups={"group_0": scheme}, ignore=["lm_head"]),
+            output_dir=out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    sys.exit(0)
 if method == "gptq":
     recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"], dampening_frac=0.01, block_size=128,
                           actorder="static")
@@ -334,12 +370,17 @@ def bench_calibrated(args) -> dict:
     samples = calib.load_samples(str(data), calib.load_tokenizer(src), args.num_samples, args.seq_len, seed=0)
     samples_file = work / "samples.json"
     samples_file.write_text(json.dumps([s[0].tolist() for s in samples]))
-    m = args.what
-    outs = {name: work / f"smol-{name}" for name in ("rtn", m, f"llmc-{m}")}
+    m, fp4 = args.what, args.scheme != "w4a16"
+    names = ("rtn", m, f"llmc-{m}", *(("llmc-rtn",) if fp4 else ()))  # FP4: the library's RTN too (A16: data-free)
+    outs = {name: work / f"smol-{args.scheme}-{name}" for name in names}
     for d in outs.values():
         fresh(d)
-    common = ["--scheme", "w4a16", "--group-size", str(args.group_size), "--json"]
+    common = ["--scheme", args.scheme, "--json", *(() if fp4 else ("--group-size", str(args.group_size)))]
     rtn = measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs["rtn"]), *common])
+    ref_rtn = None
+    if fp4:
+        ref_rtn = measure([sys.executable, "-c", ONESHOT, str(src), str(outs["llmc-rtn"]), str(samples_file),
+                           str(args.group_size), "rtn", args.scheme])
     ours_runs, ref_runs = [], []
     for _ in range(args.repeat):  # alternated, so that a slow spell of the machine weighs on both tools
         fresh(outs[m])
@@ -348,12 +389,18 @@ def bench_calibrated(args) -> dict:
                                   "--method", m, "--calib", str(data), "--num-samples", str(args.num_samples),
                                   "--seq-len", str(args.seq_len)]))
         ref_runs.append(measure([sys.executable, "-c", ONESHOT, str(src), str(outs[f"llmc-{m}"]), str(samples_file),
-                                 str(args.group_size), m]))
+                                 str(args.group_size), m, args.scheme]))
     ours, ref = best_of(ours_runs), best_of(ref_runs)
     text = PPL_TEXT.read_text()
     ppl = {"bf16": perplexity(src, text)} | {name: perplexity(d, text) for name, d in outs.items()}
+    extra = {}
+    if fp4:
+        extra = {"llmc_rtn": ref_rtn, "ours_vs_llmc_rtn_ppl_ratio": ppl["rtn"] / ppl["llmc-rtn"],
+                 "rtn_bytes_vs_llmc": compare_outputs(outs["rtn"], outs["llmc-rtn"]),
+                 f"{m}_bytes_vs_llmc": compare_outputs(outs[m], outs[f"llmc-{m}"])}
     return {
-        "model": "SmolLM2-135M-Instruct", "method": m, "scheme": f"w4a16 g{args.group_size} symmetric",
+        "model": "SmolLM2-135M-Instruct", "method": m,
+        "scheme": args.scheme if fp4 else f"w4a16 g{args.group_size} symmetric",
         "calibration": {"data": "pydoc_data.topics (running text, windows)", "num_samples": args.num_samples,
                         "seq_len": args.seq_len, "tokens": sum(s.numel() for s in samples)},
         "perplexity_text": str(PPL_TEXT), "perplexity": ppl,
@@ -361,7 +408,7 @@ def bench_calibrated(args) -> dict:
         "ours_vs_rtn_ppl_ratio": ppl[m] / ppl["rtn"],
         "quantize_rtn": rtn, f"quantize_{m}": ours, f"llmc_oneshot_{m}": ref,
         "speedup_vs_oneshot": ref["seconds"] / ours["seconds"],
-        "rss_ratio_vs_oneshot": ours["peak_rss"] / ref["peak_rss"],
+        "rss_ratio_vs_oneshot": ours["peak_rss"] / ref["peak_rss"], **extra,
     }
 
 
@@ -634,9 +681,10 @@ def main() -> None:
     r.add_argument("--size-gb", type=float, default=2.2)
     r.add_argument("--device", default="cpu")
     r.add_argument("--workers", type=int, default=2)
-    r.add_argument("--scheme", choices=["w4a16", "fp8-block", "nvfp4a16", "mxfp4a16"], default="w4a16",
-                   help="w4a16: the Kimi recipe (routed experts INT4 g32); fp8-block, nvfp4a16, mxfp4a16: every Linear "
-                   "but lm_head in that scheme")
+    r.add_argument("--scheme", choices=["w4a16", "w4afp8", "fp8-block", "nvfp4a16", "mxfp4a16"], default="w4a16",
+                   help="w4a16: the Kimi recipe (routed experts INT4 g32); w4afp8, fp8-block, nvfp4a16, mxfp4a16: every "
+                   "Linear but lm_head in that scheme (model_free_ptq writes W4AFP8's codes unpacked: compared code by "
+                   "code)")
     r.add_argument("--work", default=".cache/bench")
     r.add_argument("--json", dest="json_out")
     for method, n in (("gptq", 128), ("awq", 32)):
@@ -644,6 +692,9 @@ def main() -> None:
         q.add_argument("--num-samples", type=int, default=n)
         q.add_argument("--seq-len", type=int, default=512)
         q.add_argument("--group-size", type=int, default=64)
+        q.add_argument("--scheme", choices=["w4a16", *(["nvfp4a16", "mxfp4a16"] if method == "gptq" else [])],
+                       default="w4a16", help="w4a16: INT4 at --group-size; nvfp4a16, mxfp4a16: compressed-tensors' "
+                       "FP4 presets (their own group sizes), with llm-compressor's RTN of the same preset beside")
         q.add_argument("--repeat", type=int, default=1, help="runs of each tool, alternated; the fastest counts")
         q.add_argument("--work", default=".cache/bench")
         q.add_argument("--json", dest="json_out")

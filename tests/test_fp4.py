@@ -233,16 +233,96 @@ def test_the_serving_matrix_says_how_each_engine_runs_fp4(fixtures_dir, tmp_path
     assert "serve it with vLLM" in rows["mxfp4a16"][serving.SGLANG].notes[0]
 
 
-def test_fp4_schemes_are_refused_where_they_cannot_work_yet(fixtures_dir):
-    """Calibrated FP4 is not built yet: asking for it says so instead of writing INT4 math into FP4 tensors; a
-    recipe's FP4 scheme must be one of compressed-tensors' two layouts."""
+def test_fp4_schemes_are_refused_where_they_cannot_work(fixtures_dir):
+    """AWQ's scale search is INT4's: asking for it with FP4 says so instead of writing INT4 math into FP4 tensors
+    (RTN and GPTQ are FP4's methods); a recipe's FP4 scheme must be one of compressed-tensors' two layouts."""
     from quantize import recipe
     from quantize.errors import UsageError
 
-    with pytest.raises(UsageError, match="data-free"):
-        recipe.preset("nvfp4a16", 128, method="gptq")
+    with pytest.raises(UsageError, match="AWQ"):
+        recipe.preset("nvfp4a16", 128, method="awq")
+    assert recipe.preset("mxfp4a16", 128, method="gptq").method == "gptq"
     with pytest.raises(UsageError, match="NVFP4 .* or MXFP4"):
         recipe.from_dict({"scheme": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 16}}, "r.yaml")
     r = recipe.preset("mxfp4a16", 128)
     assert (r.scheme.fp4, r.scheme.format, r.scheme.group_size) == ("mxfp4", "mxfp4-pack-quantized", 32)
     assert recipe.preset("nvfp4a16", 128).scheme.format == "nvfp4-pack-quantized"
+
+
+def test_a_source_already_in_the_fp4_scheme_passes_through_and_feeds_the_others(fixtures_dir, tmp_path):
+    """An NVFP4A16 checkpoint (ours, whose bytes are the library's) converted to NVFP4A16 again is every tensor
+    byte for byte (passthrough: nothing re-rounded); to MXFP4A16 or INT4 it is decoded by compressed-tensors'
+    own dequantization and quantized again, with a warning that error compounds."""
+    from click.testing import CliRunner
+    from conftest import config_of, read_all
+
+    from quantize import recipe, verify
+    from quantize.checkpoint import Checkpoint
+    from quantize.cli import main
+    from quantize.tensor_plan import build
+
+    fp4_src = tmp_path / "nvfp4"
+    assert CliRunner().invoke(main, ["convert", str(fixtures_dir / "llama-bf16"), str(fp4_src), "--scheme",
+                                     "nvfp4a16"]).exit_code == 0
+    ckpt = Checkpoint(fp4_src)
+    assert ckpt.format.kind == "ct-nvfp4" and not ckpt.format.w4a4
+    plan = build(ckpt, recipe.preset("nvfp4a16", 128), 2**30)
+    assert plan.counts()["passthrough"] == 14 and "quantize" not in plan.counts()
+    again = tmp_path / "again"
+    assert CliRunner().invoke(main, ["convert", str(fp4_src), str(again), "--scheme", "nvfp4a16"]).exit_code == 0
+    a, b = read_all(fp4_src), read_all(again)
+    assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    assert config_of(again)["quantization_config"]["config_groups"] == config_of(fp4_src)["quantization_config"]["config_groups"]
+
+    mx = tmp_path / "mx"
+    result = CliRunner().invoke(main, ["convert", str(fp4_src), str(mx), "--scheme", "mxfp4a16"])
+    assert result.exit_code == 0 and "source is NVFP4A16" in result.output
+    m = "model.layers.1.mlp.down_proj"
+    parts = {k.rpartition(".")[2]: v for k, v in a.items() if k.rpartition(".")[0] == m}
+    decoded = fp4.dequantize(parts, True)[0].to(torch.bfloat16)
+    packed, scale = fp4.mxfp4(decoded)
+    got = read_all(mx)
+    assert _same(got[f"{m}.weight_packed"], packed) and _same(got[f"{m}.weight_scale"], scale)
+    int4 = tmp_path / "int4"
+    assert CliRunner().invoke(main, ["convert", str(fp4_src), str(int4), "--scheme", "w4a16", "--group-size",
+                                     "32"]).exit_code == 0
+    assert not verify.verify(int4, source=fp4_src, deep=True).findings
+
+
+@pytest.mark.parametrize("kind, scheme", [("kimi-k25-int4", "nvfp4a16"), ("glm4-moe-fp8", "mxfp4a16")])
+def test_compressed_tensors_int4_and_fp8_sources_feed_fp4(kind, scheme, fixtures_dir, tmp_path):
+    """compressed-tensors INT4 (Kimi K2.5's routed experts, inside its multimodal wrapper) and FP8 (GLM FP8
+    releases) sources decode and quantize to FP4; verify --deep compares each FP4 weight with the decoded source."""
+    from click.testing import CliRunner
+
+    from quantize import verify
+    from quantize.cli import main
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["convert", str(fixtures_dir / kind), str(out), "--scheme", scheme])
+    assert result.exit_code == 0, result.output
+    report = verify.verify(out, source=fixtures_dir / kind, deep=True)
+    assert not report.findings and report.deep_checked == report.quantized_modules > 0
+
+
+def test_plan_shows_every_scheme_side_by_side():
+    """plan --weights schemes: a row for the source and one for each scheme, per KV dtype; the 4-bit schemes
+    leave more KV budget than FP8 blocks, and NVFP4 W4A4 weighs what NVFP4A16 does."""
+    import json
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from quantize import recipe
+    from quantize.cli import main
+
+    cfg = Path(__file__).parent / "data" / "glm-5-fp8-config.json"
+    result = CliRunner().invoke(main, ["plan", str(cfg), "--weights", "schemes", "--gpu", "b200", "--tp", "8", "--json"])
+    assert result.exit_code == 0, result.output
+    rows = {(s["weights"].split(" ")[0], s["kv_dtype"]): s for s in json.loads(result.output)["scenarios"]}
+    names = ["w4a16-g128", "w4afp8-g128", "fp8-block", "nvfp4a16", "nvfp4", "mxfp4a16"]
+    assert len(rows) == 2 * (1 + len(recipe.SCHEMES)) and all((n, "fp8") in rows for n in names)
+    size = {n: rows[n, "fp8"]["weights_total_gib"] for n in names}
+    assert max(size[n] for n in names if n != "fp8-block") < 0.6 * size["fp8-block"]
+    assert size["nvfp4"] == size["nvfp4a16"]  # its input_global_scale, 4 bytes a Linear, is below 0.01 GiB
+    assert rows["mxfp4a16", "fp8"]["total_tokens"] > rows["fp8-block", "fp8"]["total_tokens"]

@@ -184,12 +184,15 @@ def test_gptq_output_loads_in_transformers_with_every_key(kind, fixtures_dir, tm
 
 # (fixture, options, how the ranks start): the routed experts of Kimi K2 (recipe: experts only); GLM-5 with
 # every Linear (MLA and DSA attention, shared experts: dense Hessians), DSA's carried top-k indices and FP8 KV
-# scales, on 3 ranks (a tree of Hessian sums split unevenly); a dense Llama under torchrun
+# scales, on 3 ranks (a tree of Hessian sums split unevenly); a dense Llama under torchrun; Kimi K2 in NVFP4
 RANK_CASES = {
     "kimi experts, 2 ranks": ("kimi-k2-fp8", ["--recipe", str(RECIPES / "kimi-k2-w4a16.yaml")], "cpu,cpu"),
     "glm5 all Linears + kv, 3 ranks": ("glm5-bf16", ["--scheme", "w4a16", "--group-size", "32", "--kv-cache", "fp8"],
                                        "cpu,cpu,cpu"),
     "llama + kv, torchrun": ("llama-bf16", ["--scheme", "w4a16", "--group-size", "32", "--kv-cache", "fp8"], "torchrun"),
+    # FP4 codes and NVFP4 activations: the experts' results (codes, e4m3 and global scales) travel between ranks as
+    # INT4's do, and the dense inputs' amax is the max over the ranks' samples
+    "kimi nvfp4 (w4a4), 2 ranks": ("kimi-k2-fp8", ["--scheme", "nvfp4"], "cpu,cpu"),
 }
 
 

@@ -20,7 +20,6 @@ Per layer, on every rank (the same code with one rank):
 - the codes and scales go to rank 0 in one message per rank, and rank 0 writes.
 """
 
-import math
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -32,7 +31,8 @@ from torch.nn import functional as F
 from quantize.engine.activations import TokenBuffer, release_freed_memory
 from quantize.engine.distributed import GROUPS, broadcast, expert_groups, group_members, recv, send
 from quantize.engine.ordered import in_order, single_threaded
-from quantize.quant import gptq, pack, rtn
+from quantize.quant import codec, fp4, gptq
+from quantize.safetensors_file import DTYPES
 from quantize.tensor_plan import Entry
 
 LEAVES = ("gate_proj", "up_proj", "down_proj")
@@ -166,9 +166,7 @@ class Setting:
 
 @dataclass
 class Result:
-    packed: torch.Tensor  # int32, pack-quantized
-    scale: torch.Tensor
-    zero_point: torch.Tensor | None  # packed along rows, as compressed-tensors stores it
+    tensors: list[torch.Tensor]  # what replaces the weight, in the order of its plan entry's outputs (on the CPU)
     fallback: bool  # Hessian not positive definite: RTN
     error: float  # relative Frobenius error of the dequantized weight
 
@@ -193,6 +191,7 @@ class LayerExperts:
         self.idx_cal = torch.empty(tokens, top_k, dtype=torch.int64)
         self.x_adv = self.idx_adv = self.w_adv = None
         self.results: dict[tuple[int, str], Result] = {}
+        self.input_amax: dict[tuple[int, str], torch.Tensor] = {}  # NVFP4 activations: (expert, leaf) -> amax
         self.counts: list[int] = []
         self._filled = self.spans[s.rank][0]
         self._progress, self._freed, self._lock = -1, 0, threading.Lock()  # chunks end on several threads
@@ -256,17 +255,22 @@ class LayerExperts:
         weights = {e: self._source(e) for e in chunk}
         calibrated = [e for e in chunk if not self.rtn_only(e)]
         h_in, h_down = {}, {}
+        sch = self.s.scheme
         for e in calibrated:
             h_in[e], h_down[e] = self._hessians(weights[e], routing.tokens(e) if all_rows is None else all_rows,
-                                                shared_in)
+                                                shared_in, e if sch.w4a4 else None)
         for e in chunk:
+            if e not in h_in and sch.w4a4:
+                # an expert too rarely routed for GPTQ still needs its inputs' range: its own tokens, or for one
+                # the router never chose, the first rows of the layer's (an expert's gate/up see the same inputs)
+                tokens = routing.tokens(e)
+                self._activation_amax(e, weights[e], tokens if tokens.numel() else torch.arange(min(self.tokens,
+                                                                                                    HESSIAN_ROWS)))
             if e not in h_in:
                 for leaf in self.targets[e]:
                     w = weights[e][leaf]
-                    scale, zp = rtn.group_qparams(w, self.s.scheme.group_size, self.s.scheme.num_bits,
-                                                  self.s.scheme.symmetric)
-                    self._keep(e, leaf, w, rtn.quantize_groups(w, scale, zp, self.s.scheme.num_bits), scale, zp,
-                               False)
+                    p = codec.params(sch, w, self._global_scale(e, weights[e], leaf))
+                    self._keep(e, leaf, w, codec.rtn_codes(sch, w, p), p, False)
         for group, hs in ((["gate_proj", "up_proj"], h_in), (["down_proj"], h_down)):
             stacks: dict[tuple, list[int]] = {}  # experts whose targeted Linears of the group are the same
             for e in calibrated:
@@ -305,21 +309,56 @@ class LayerExperts:
         return {leaf: s.ckpt.decode(s.ckpt.tensors[f"{self.prefix}{e}.{leaf}.weight"], s.device).to(s.dtype)
                 for leaf in LEAVES}
 
-    def _hessians(self, w: dict[str, torch.Tensor], tokens: torch.Tensor,
-                  shared_in: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The input Hessian (a copy of `shared_in` when given) and the down projection's, from these rows."""
+    def _hessians(self, w: dict[str, torch.Tensor], tokens: torch.Tensor, shared_in: torch.Tensor | None = None,
+                  amax_of: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input Hessian (a copy of `shared_in` when given) and the down projection's, from these rows;
+        amax_of: also record expert amax_of's input ranges (NVFP4 activations) from the same products."""
         c = self.s.compute
         gate, up = w["gate_proj"].to(c), w["up_proj"].to(c)
         H_in = shared_in.clone() if shared_in is not None else torch.zeros(gate.shape[1], gate.shape[1],
                                                                            device=self.s.device)
         H_down = torch.zeros(gate.shape[0], gate.shape[0], device=self.s.device)
+        a_in = a_down = torch.zeros((), dtype=c, device=self.s.device)
         with torch.no_grad():
             for r in range(0, tokens.numel(), HESSIAN_ROWS):
                 x = self.x_cal.rows(tokens[r:r + HESSIAN_ROWS])
                 if shared_in is None:
                     gptq.add_batch(H_in, x)
-                gptq.add_batch(H_down, self.act_fn(F.linear(x, gate)) * F.linear(x, up))
+                h = self.act_fn(F.linear(x, gate)) * F.linear(x, up)
+                gptq.add_batch(H_down, h)
+                if amax_of is not None:
+                    a_in, a_down = torch.maximum(a_in, x.abs().amax()), torch.maximum(a_down, h.abs().amax())
+        if amax_of is not None:
+            self._keep_amax(amax_of, a_in, a_down)
         return H_in, H_down
+
+    def _activation_amax(self, e: int, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> None:
+        """Expert e's input ranges over these rows (NVFP4 activations), without the Hessians."""
+        c = self.s.compute
+        gate, up = w["gate_proj"].to(c), w["up_proj"].to(c)
+        a_in = a_down = torch.zeros((), dtype=c, device=self.s.device)
+        with torch.no_grad():
+            for r in range(0, tokens.numel(), HESSIAN_ROWS):
+                x = self.x_cal.rows(tokens[r:r + HESSIAN_ROWS])
+                h = self.act_fn(F.linear(x, gate)) * F.linear(x, up)
+                a_in, a_down = torch.maximum(a_in, x.abs().amax()), torch.maximum(a_down, h.abs().amax())
+        self._keep_amax(e, a_in, a_down)
+
+    def _keep_amax(self, e: int, a_in: torch.Tensor, a_down: torch.Tensor) -> None:
+        """gate and up share the expert's input; down's input is act(gate x) * up x. In the model's dtype, as
+        llm-compressor's observers see the inputs."""
+        a_in, a_down = a_in.to(self.s.dtype), a_down.to(self.s.dtype)
+        self.input_amax.update({(e, "gate_proj"): a_in, (e, "up_proj"): a_in, (e, "down_proj"): a_down})
+
+    def _global_scale(self, e: int, w: dict[str, torch.Tensor], leaf: str) -> torch.Tensor | None:
+        """NVFP4: the global scale expert e's Linear shares with its fused set (gate and up, when both are
+        quantized: the engines' w13), from the largest magnitude of either; the down projection's own. None for
+        the other schemes."""
+        if self.s.scheme.fp4 != "nvfp4":
+            return None
+        w13 = ("gate_proj", "up_proj")
+        fused = w13 if leaf in w13 and set(w13) <= set(self.targets[e]) else (leaf,)
+        return fp4.global_scale(torch.stack([fp4.absmax(w[x]) for x in fused]).max())
 
     def _solve_stack(self, group: list[str], members: list[int], weights, hessians) -> None:
         """GPTQ of the same Linears of several experts as one stack; Linears fed the same input (gate and up)
@@ -327,28 +366,29 @@ class LayerExperts:
         sch, p = self.s.scheme, self.s.gptq
         leaves = group
         W = torch.stack([torch.cat([weights[e][leaf] for leaf in leaves]) for e in members])
-        E, out_f, in_f = W.shape
-        scale, zp = rtn.group_qparams(W.reshape(E * out_f, in_f), sch.group_size, sch.num_bits, sch.symmetric)
-        scale = scale.reshape(E, out_f, -1)
-        zp = None if zp is None else zp.reshape(E, out_f, -1)
+        params = {(e, leaf): codec.params(sch, weights[e][leaf], self._global_scale(e, weights[e], leaf))
+                  for e in members for leaf in leaves}
+        step = torch.stack([torch.cat([params[e, leaf].step for leaf in leaves]) for e in members])
+        zp = None
+        if not sch.symmetric:
+            zp = torch.stack([torch.cat([params[e, leaf].zero_point for leaf in leaves]) for e in members])
         H = torch.stack([hessians.pop(e) for e in members])  # gate/up and down use different Hessians
-        codes, fallback = gptq.gptq_quantize_batched(W, H, scale, zp, sch.num_bits, p.block_size, p.dampening_frac,
-                                                     actorder=p.actorder == "static", consume=True)
+        codes, fallback = gptq.gptq_quantize_batched(W, H, step, zp, sch.num_bits, p.block_size, p.dampening_frac,
+                                                     actorder=p.actorder == "static", consume=True, fp4=bool(sch.fp4))
         del H
         for k, e in enumerate(members):
             row = 0
             for leaf in leaves:
                 rows = slice(row, row + weights[e][leaf].shape[0])
                 row = rows.stop
-                self._keep(e, leaf, weights[e][leaf], codes[k, rows], scale[k, rows],
-                           None if zp is None else zp[k, rows], bool(fallback[k]))
+                self._keep(e, leaf, weights[e][leaf], codes[k, rows], params[e, leaf], bool(fallback[k]))
 
-    def _keep(self, e: int, leaf: str, w: torch.Tensor, codes, scale, zp, fallback: bool) -> None:
-        wq = rtn.dequantize_groups(codes, scale, zp).to(w.dtype)
+    def _keep(self, e: int, leaf: str, w: torch.Tensor, codes, p: "codec.Params", fallback: bool) -> None:
+        sch = self.s.scheme
+        wq = codec.dequantize(sch, codes, p).to(w.dtype)
         error = float((w.float() - wq.float()).norm() / w.float().norm().clamp(min=1e-12))
-        self.results[(e, leaf)] = Result(pack.pack_int4(codes.contiguous()).to("cpu"), scale.to("cpu", copy=True),
-                                         None if zp is None else pack.pack_int4(zp.contiguous(), packed_dim=0).to("cpu"),
-                                         fallback, error)
+        out = codec.outputs(sch, codes.contiguous(), p, tuple(w.shape), self.input_amax.get((e, leaf)))
+        self.results[(e, leaf)] = Result([t.to("cpu", copy=True) for t in out], fallback, error)
 
     def _chunks(self, experts: list[int], workers: int = 1) -> Iterator[list[int]]:
         """Consecutive experts of one group at a time, in stacks whose working memory fits CHUNK_BYTES (shared by
@@ -415,10 +455,7 @@ class LayerExperts:
                 source = source or self._source(e)
                 out[leaf] = source[leaf].to(self.s.compute)
                 continue
-            codes = pack.unpack_int4(r.packed)[:, :r.scale.shape[1] * self.s.scheme.group_size]
-            zp = None if r.zero_point is None else pack.unpack_int4(r.zero_point, packed_dim=0)[:codes.shape[0]]
-            w = rtn.dequantize_groups(codes.to(self.s.device), r.scale.to(self.s.device),
-                                      None if zp is None else zp.to(self.s.device))
+            w = codec.from_outputs(self.s.scheme, [t.to(self.s.device) for t in r.tensors])
             out[leaf] = w.to(self.s.dtype).to(self.s.compute)
         return out
 
@@ -433,7 +470,7 @@ class LayerExperts:
             keys = self._keys(self.owned)
             meta = torch.tensor([[float(self.results[k].fallback), self.results[k].error] for k in keys],
                                 dtype=torch.float64).reshape(-1, 2)
-            parts = [meta] + [t for k in keys for t in self._tensors(self.results[k]) if t is not None]
+            parts = [meta] + [t for k in keys for t in self.results[k].tensors]
             send(torch.cat([t.contiguous().view(torch.uint8).flatten() for t in parts]), 0)
             return {}
         results = dict(self.results)
@@ -441,7 +478,7 @@ class LayerExperts:
             keys = self._keys([e for g in expert_groups(rank, s.world) for e in group_members(g, self.n)])
             meta = torch.empty(len(keys), 2, dtype=torch.float64)
             empty = {k: self._empty(*k) for k in keys}
-            parts = [meta] + [t for k in keys for t in self._tensors(empty[k]) if t is not None]
+            parts = [meta] + [t for k in keys for t in empty[k].tensors]
             message = recv(torch.empty(sum(t.numel() * t.element_size() for t in parts), dtype=torch.uint8), rank)
             start = 0
             for t in parts:
@@ -450,22 +487,12 @@ class LayerExperts:
                 start += n
             for k, (fallback, error) in zip(keys, meta.tolist(), strict=True):
                 r = empty[k]
-                results[k] = Result(r.packed, r.scale, r.zero_point, bool(fallback), error)
+                results[k] = Result(r.tensors, bool(fallback), error)
         return results
 
-    @staticmethod
-    def _tensors(r: Result) -> tuple:
-        return r.packed, r.scale, r.zero_point
-
     def _empty(self, e: int, leaf: str) -> Result:
-        """A result of the shape the plan gives expert e's Linear, to receive into."""
-        out_f, in_f = self.targets[e][leaf].tensor.shape
-        n_groups = in_f // self.s.scheme.group_size
-        zp = None
-        if not self.s.scheme.symmetric:
-            zp = torch.empty(math.ceil(out_f / 8), n_groups, dtype=torch.int32)
-        return Result(torch.empty(out_f, math.ceil(in_f / 8), dtype=torch.int32),
-                      torch.empty(out_f, n_groups, dtype=self.s.dtype), zp, False, 0.0)
+        """A result of the shapes and dtypes the plan gives expert e's Linear's outputs, to receive into."""
+        return Result([torch.empty(o.shape, dtype=DTYPES[o.dtype]) for o in self.targets[e][leaf].outputs], False, 0.0)
 
     def _keys(self, experts: list[int]) -> list[tuple[int, str]]:
         return [(e, leaf) for e in experts for leaf in LEAVES if leaf in self.targets.get(e, {})]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantize.engine.distributed import GROUPS, group_members, owned_groups, recv, recv_text, send, send_text
+from quantize.engine.distributed import GROUPS, group_members, owned_groups, recv, recv_any, recv_text, send, send_any, send_text
 from quantize.quant import gptq
 
 
@@ -54,8 +54,10 @@ def push(stack: list[Node], node: Node) -> None:
 class Hessians:
     """The Hessians of one rank's samples (`rank` of `world`), `n_samples` in all, filled by forward pre-hooks."""
 
-    def __init__(self, device: torch.device, n_samples: int, rank: int = 0, world: int = 1):
+    def __init__(self, device: torch.device, n_samples: int, rank: int = 0, world: int = 1, amax: bool = False):
         self.device, self.rank, self.world = device, rank, world
+        # amax: also the largest |x| each input reached (NVFP4 activations' global scale), max over the ranks
+        self.amax: dict[str, torch.Tensor] | None = {} if amax else None
         self.key: dict[str, str] = {}  # module -> the first module fed the same input (whose name keys its sums)
         self._group_of = {s: g for g in range(GROUPS) for s in group_members(g, n_samples)}
         self._groups = owned_groups(rank, world)
@@ -73,6 +75,9 @@ class Hessians:
         key = self.key.setdefault(name, name if first is None else first[1])
         if key == name:
             self._add(key, x)
+            if self.amax is not None:
+                m = x.abs().amax()
+                self.amax[key] = m if key not in self.amax else torch.maximum(self.amax[key], m)
 
     def start_sample(self, s: int) -> None:
         while self._next < self._group_of[s]:
@@ -94,6 +99,10 @@ class Hessians:
         """Rank 0, after finish: each module's Hessian (shared by the modules fed the same input)."""
         (root,) = self._stack
         return {m: root.sums[k] for m, k in self.key.items()} if root.sums is not None else {}
+
+    def amax_by_module(self) -> dict[str, torch.Tensor]:
+        """Rank 0, after finish: each module's input amax over every rank's samples."""
+        return {m: self.amax[k] for m, k in self.key.items() if k in self.amax}
 
     def _add(self, key: str, x: torch.Tensor) -> None:
         xs, rows = self._pending.get(key, ([], 0))
@@ -129,6 +138,10 @@ class Hessians:
             for k in sorted(n.sums or {}):
                 send(n.sums[k], 0)
         self._stack = []
+        if self.amax is not None:
+            keys = sorted(self.amax)
+            send_text(" ".join(keys), 0)
+            send_any(torch.stack([self.amax[k] for k in keys]) if keys else None, 0)
 
     def _receive(self, r: int) -> None:
         nodes, modules, dims = recv_text(r).split("\n")
@@ -145,3 +158,8 @@ class Hessians:
                     with torch.inference_mode(False):
                         sums[k] = recv(torch.empty(size[k], size[k], dtype=torch.float32, device=self.device), r)
             push(self._stack, Node(int(lo), int(hi), sums))
+        if self.amax is not None:
+            keys = recv_text(r).split()
+            theirs = recv_any(r, self.device)
+            for k, m in zip(keys, theirs if theirs is not None else [], strict=True):
+                self.amax[k] = m if k not in self.amax else torch.maximum(self.amax[k], m)

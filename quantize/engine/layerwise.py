@@ -44,7 +44,7 @@ from quantize.engine.awq_layer import awq_layer, takes_topk
 from quantize.engine.hessians import Hessians
 from quantize.engine.layer_state import CALIB_DIR, LayerCheckpoint, Resume, samples_key
 from quantize.errors import QuantizeError
-from quantize.quant import gptq, pack, rtn
+from quantize.quant import codec, fp4, gptq
 from quantize.tensor_plan import Entry, Plan
 
 
@@ -504,10 +504,7 @@ class LayerwiseQuantizer:
             self.stats.error[entry.role.kind].append(r.error)
             if entry.tensor.name in self.written:
                 continue
-            out = [r.packed, r.scale, torch.tensor(entry.tensor.shape, dtype=torch.int64)]
-            if r.zero_point is not None:
-                out.append(r.zero_point)
-            self.results[entry.tensor.name] = out
+            self.results[entry.tensor.name] = r.tensors
         if self.on_expert is not None:
             self.on_expert(self.config.n_routed_experts - 1, self.config.n_routed_experts)
         report.phases["routed_output_and_exchange"] = t2 - t1
@@ -529,7 +526,8 @@ class LayerwiseQuantizer:
         dense_targets = self._dense_targets(i, targets)
         if not dense_targets and moe is None:
             return None  # nothing to calibrate here: the layer only runs, in the quantized pass
-        hessians = Hessians(self.device, len(self.positions), self.rank if self.dp else 0, self.world if self.dp else 1)
+        hessians = Hessians(self.device, len(self.positions), self.rank if self.dp else 0, self.world if self.dp else 1,
+                            amax=self.recipe.scheme.w4a4)
         # the pass is only for the Hessians: once every target has seen its input, the rest of the layer (the
         # last down_proj, the shared experts when they are not quantized) is skipped
         stop = _StopWhenAllSeen([*dense_targets, *(["experts"] if moe is not None else [])])
@@ -551,66 +549,73 @@ class LayerwiseQuantizer:
         hessians.finish()  # on rank 0, added over all the ranks' samples
         if self.rank != 0:
             return moe
-        by_module = hessians.by_module()
+        by_module, input_amax = hessians.by_module(), hessians.amax_by_module() if hessians.amax is not None else {}
         by_input: dict[int, list[str]] = defaultdict(list)  # q/k/v, gate/up: one Hessian, one stacked solve
         for m in sorted(dense_targets):
             by_input[id(by_module[m])].append(m)
         del hessians
         for names in by_input.values():
             H = by_module[names[0]]
-            done = self._quantize_stacked([modules[m].weight.data for m in names], H)
+            done = self._quantize_stacked(names, [modules[m].weight.data for m in names], H, targets)
             for m, result in zip(names, done, strict=True):
-                self._commit(modules[m], targets[m], *result, report)
+                self._commit(modules[m], targets[m], *result, report, input_amax.get(m))
             del H
             release_freed_memory()
         by_module.clear()
         report.phases["dense"] = time.perf_counter() - t1
         return moe
 
-    def _quantize_weight(self, W: torch.Tensor, H: torch.Tensor | None):
-        """(codes, scale, zero_point, fallback) of one weight: GPTQ against H, or RTN when H is None. H is
-        consumed (every Linear that shares it is in W): GPTQ frees it as soon as it has its working copy."""
+    def _quantize_stacked(self, names: list[str], weights: list[torch.Tensor], H: torch.Tensor | None,
+                          targets: dict[str, Entry]) -> list[tuple]:
+        """(codes, codec.Params, fallback) of each Linear fed the same input, solved as one matrix: GPTQ against H,
+        or RTN when H is None. GPTQ treats the rows of W independently given H (the codes are the same bytes as
+        one by one), so H is factored once and each column step updates every Linear at once (q/k/v of SmolLM2:
+        130 -> 55 ms). H is consumed: GPTQ frees it as soon as it has its working copy."""
         s, p = self.recipe.scheme, self.recipe.gptq
-        W = W.to(self.dtype)  # scales from the weight in the model's dtype, as compressed-tensors computes them
-        scale, zp = rtn.group_qparams(W, s.group_size, s.num_bits, s.symmetric)
+        ws = [w.to(self.dtype) for w in weights]  # steps from the weight in the model's dtype, as compressed-tensors'
+        gscales = self._global_scales([targets[m].tensor.name for m in names], ws)
+        params = [codec.params(s, w, g) for w, g in zip(ws, gscales, strict=True)]
         if H is None:
-            return rtn.quantize_groups(W, scale, zp, s.num_bits), scale, zp, False
-        codes, fallback = gptq.gptq_quantize(W, H, scale, zp, consume=True, num_bits=s.num_bits,
-                                             blocksize=p.block_size, percdamp=p.dampening_frac,
-                                             actorder=p.actorder == "static")
-        return codes, scale, zp, fallback
+            return [(codec.rtn_codes(s, w, q), q, False) for w, q in zip(ws, params, strict=True)]
+        zp = None if params[0].zero_point is None else torch.cat([q.zero_point for q in params])
+        codes, fallback = gptq.gptq_quantize(torch.cat(ws), H, torch.cat([q.step for q in params]), zp, consume=True,
+                                             num_bits=s.num_bits, blocksize=p.block_size, percdamp=p.dampening_frac,
+                                             actorder=p.actorder == "static", fp4=bool(s.fp4))
+        return [(rows, q, fallback) for rows, q in zip(codes.split([w.shape[0] for w in ws]), params, strict=True)]
 
-    def _quantize_stacked(self, weights: list[torch.Tensor], H: torch.Tensor) -> list[tuple]:
-        """_quantize_weight of Linears fed the same input, as one matrix: GPTQ treats the rows of W
-        independently given H (the codes are the same bytes as one by one), so H is factored once and each
-        column step updates every Linear at once (q/k/v of SmolLM2: 130 -> 55 ms). H is consumed."""
-        W = torch.cat(weights) if len(weights) > 1 else weights[0]
-        codes, scale, zp, fallback = self._quantize_weight(W, H)
-        done, row = [], 0
-        for w in weights:
-            rows = slice(row, row + w.shape[0])
-            row = rows.stop
-            done.append((codes[rows], scale[rows].clone(), None if zp is None else zp[rows].clone(), fallback))
-        return done
+    def _global_scales(self, names: list[str], ws: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """NVFP4: each weight's global scale, its fused set's (plan.fused: the largest magnitude of any member,
+        as the engines fuse them); the members share an input, so they are in the same stack (a member outside
+        it is decoded from the source). None for the other schemes."""
+        if self.recipe.scheme.fp4 != "nvfp4":
+            return [None] * len(ws)
+        here = dict(zip(names, ws, strict=True))
 
-    def _commit(self, module: nn.Linear, e: Entry, codes, scale, zp, fallback: bool, report: LayerReport) -> None:
-        """Record the result and make the module compute with it (for the next layer's inputs)."""
+        def amax(m: str) -> torch.Tensor:
+            w = here[m] if m in here else self.ckpt.decode(self.ckpt.tensors[m], self.device).to(self.dtype)
+            return fp4.absmax(w)
+        return [fp4.global_scale(torch.stack([amax(m) for m in self.plan.fused.get(n, (n,))]).max()) for n in names]
+
+    def _commit(self, module: nn.Linear, e: Entry, codes, params: "codec.Params", fallback: bool,
+                report: LayerReport, input_amax: torch.Tensor | None = None) -> None:
+        """Record the result and make the module compute with it (for the next layer's inputs); input_amax: the
+        largest magnitude of its calibration inputs (NVFP4 activations' global scale)."""
         W = module.weight.data
         if fallback:
             report.fallbacks.append(f"{e.role.module} (Hessian not positive definite: RTN)")
-        Wq = rtn.dequantize_groups(codes, scale, zp).to(W.dtype)
+        s = self.recipe.scheme
+        Wq = codec.dequantize(s, codes, params).to(W.dtype)
         self.stats.error[e.role.kind].append(float((W.float() - Wq.float()).norm() / W.float().norm().clamp(min=1e-12)))
         module.weight.data = Wq
         if e.tensor.name in self.written:
             return
-        out = [pack.pack_int4(codes), scale, torch.tensor(e.tensor.shape, dtype=torch.int64)]
-        if zp is not None:
-            out.append(pack.pack_int4(zp, packed_dim=0))
-        self.results[e.tensor.name] = [t.to("cpu") for t in out]
+        amax = None if input_amax is None else input_amax.to(self.dtype)
+        self.results[e.tensor.name] = [t.to("cpu") for t in codec.outputs(s, codes, params, e.tensor.shape, amax)]
 
     def _quantize_module(self, module: nn.Linear, e: Entry, report: LayerReport) -> None:
         """RTN of one Linear (AWQ's last step, after its scales are applied)."""
-        self._commit(module, e, *self._quantize_weight(module.weight.data, None), report)
+        self._commit(module, e, *self._quantize_stacked([e.role.module], [module.weight.data], None,
+                                                         {e.role.module: e})[0], report)
         release_freed_memory()
 
     def run_worker(self) -> None:

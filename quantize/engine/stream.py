@@ -24,7 +24,7 @@ from quantize.engine.ordered import in_order
 from quantize.engine.state import STATE_NAME, State, fingerprint_parts
 from quantize.errors import QuantizeError
 from quantize.hub import hub_sha256
-from quantize.quant import fp4, fp8, pack, rtn
+from quantize.quant import codec, fp4, fp8
 from quantize.safetensors_file import read_tensor
 from quantize.tensor_plan import Entry, Plan
 from quantize.verify import verify
@@ -82,22 +82,21 @@ def produce(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor | None =
     if e.action == "dequantize":
         return [w]
     s = plan.recipe.scheme
-    if s.fp4 == "mxfp4":
-        return list(fp4.mxfp4(w))
-    if s.fp4 == "nvfp4":
-        if t.name in plan.fused:
-            return _fused_outputs(plan, e, device, w)
-        return list(fp4.nvfp4(w))
     if s.fp8_block:
         block = tuple(s.block_structure)
         scale = fp8.block_scale(w, block)
         return [fp8.quantize_with_block_scale(w, scale, block), scale]
-    scale, zero_point = rtn.group_qparams(w, s.group_size, s.num_bits, s.symmetric)
-    q = rtn.quantize_groups(w, scale, zero_point, s.num_bits)
-    out = [pack.pack_int4(q), scale, torch.tensor(t.shape, dtype=torch.int64)]
-    if zero_point is not None:
-        out.append(pack.pack_int4(zero_point, packed_dim=0))
-    return out
+    if s.w4a4:  # every NVFP4 W4A4 target is a GPTQ target, whose input_global_scale only calibration measures
+        raise AssertionError(f"{t.name} needs calibrated activations (NVFP4 W4A4) but reached round to nearest")
+    if s.fp4 == "nvfp4" and t.name in plan.fused:
+        return _fused_outputs(plan, e, device, w)
+    return rtn_outputs(s, w)
+
+
+def rtn_outputs(scheme, w: torch.Tensor, gscale: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Round-to-nearest of w [out, in] in a 4-bit scheme, as the tensors that replace it."""
+    p = codec.params(scheme, w, gscale)
+    return codec.outputs(scheme, codec.rtn_codes(scheme, w, p), p, tuple(w.shape))
 
 
 class _Stash:
@@ -125,7 +124,7 @@ def _fused_outputs(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor) 
                   for m in members}
             shared = fp4.global_scale(torch.stack([fp4.absmax(x) for x in ws.values()]).max())
             for m, x in ws.items():
-                stash.ready[m] = list(fp4.nvfp4(x, shared))
+                stash.ready[m] = rtn_outputs(plan.recipe.scheme, x, shared)
         return stash.ready.pop(e.tensor.name)
 
 

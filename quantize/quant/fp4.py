@@ -3,10 +3,10 @@ global scale per tensor, or per set of tensors an engine fuses) and MXFP4 (an e8
 
 The arithmetic is compressed-tensors' own (`calculate_qparams`, `generate_gparam`, its range, unpacking and MX
 scale encoding), called with the dtypes its model-free path gives them: the weight's dtype for the group min/max
-and the local scales, float32 for the global scale; only the e2m1 cast and packing are ours (`_packed`, faster,
-the same bytes). So the bytes are the library's (tests/test_fp4.py
-compares them with llm-compressor's model_free_ptq converter tensor by tensor); what is ours is the streaming
-and the fused sets' shared global scale, computed from every member's max without a second pass.
+and the local scales, float32 for the global scale; only the e2m1 cast and packing are ours (`codes`, `pack`:
+faster, the same bytes; `round_e2m1_`: GPTQ's rounding of one column). So the bytes are the library's
+(tests/test_fp4.py compares them with llm-compressor's model_free_ptq converter tensor by tensor); what is ours is
+the streaming and the fused sets' shared global scale, computed from every member's max without a second pass.
 """
 
 import functools
@@ -50,27 +50,39 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
     return _ct()["gparam"](-amax.reshape(1), amax.reshape(1))
 
 
+def nvfp4_scale(w: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
+    """NVFP4's local scales [out, in/16] of w under global scale gscale: e4m3 values, in w's dtype (the dtype of
+    the module's weight_scale parameter); a group's step is scale / gscale."""
+    lo, hi = _groups(w, NVFP4_GROUP)
+    scale, _ = _ct()["qparams"](lo, hi, _ct()["nvfp4"], global_scale=gscale)
+    return scale.to(w.dtype)
+
+
+def mxfp4_scale(w: torch.Tensor) -> torch.Tensor:
+    """MXFP4's scales [out, in/32] of w: powers of two, in w's dtype; a group's step is its scale."""
+    lo, hi = _groups(w, MXFP4_GROUP)
+    scale, _ = _ct()["qparams"](lo, hi, _ct()["mxfp4"])
+    return scale.to(w.dtype)
+
+
+def mx_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4 scales as the e8m0 bytes weight_scale stores."""
+    return _ct()["mx_scale"](scale, torch.uint8)
+
+
 def nvfp4(w: torch.Tensor, gscale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(weight_packed uint8 [out, in/2], weight_scale e4m3 [out, in/16], weight_global_scale float32 [1]) of
     w [out, in]; gscale: the global scale of w's fused set (default: w's own)."""
-    ct = _ct()
-    args = ct["nvfp4"]
     if gscale is None:
         gscale = global_scale(absmax(w))
-    lo, hi = _groups(w, NVFP4_GROUP)
-    scale, _ = ct["qparams"](lo, hi, args, global_scale=gscale)
-    scale = scale.to(w.dtype)  # the module's weight_scale parameter is in the weight's dtype
-    return _packed(w, scale / gscale, args), scale.to(torch.float8_e4m3fn), gscale
+    scale = nvfp4_scale(w, gscale)
+    return pack(codes(w, scale / gscale)), scale.to(torch.float8_e4m3fn), gscale
 
 
 def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight_packed uint8 [out, in/2], weight_scale e8m0 as uint8 [out, in/32]) of w [out, in]."""
-    ct = _ct()
-    args = ct["mxfp4"]
-    lo, hi = _groups(w, MXFP4_GROUP)
-    scale, _ = ct["qparams"](lo, hi, args)
-    scale = scale.to(w.dtype)
-    return _packed(w, scale, args), ct["mx_scale"](scale, torch.uint8)
+    scale = mxfp4_scale(w)
+    return pack(codes(w, scale)), mx_bytes(scale)
 
 
 # e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 and where |x| moves to the next one: compressed-tensors' cast_to_fp4
@@ -81,19 +93,50 @@ _BOUNDS = torch.where(torch.tensor([False, True, False, True, False, True, False
                       torch.nextafter(_BELOW, torch.tensor(0.0)), _BELOW)
 
 
-def _packed(w: torch.Tensor, step: torch.Tensor, args) -> torch.Tensor:
-    """compressed-tensors' quantize (w / step per group, clamped to +-6, cast to e2m1) and FP4 packing (two codes a
-    byte, the first in the low nibble, the sign in bit 3), counting the boundaries |x| passes where the library's
-    eager CPU path runs 15 masked writes: the same bytes (tests/test_fp4.py); a 2048 x 7168 expert in 0.29 s
-    against 0.53 (torch.bucketize, one thread: 0.50)."""
-    q_min, q_max = _ct()["range"](args, w.device)
-    scaled = torch.clamp(w.unflatten(-1, (-1, args.group_size)) / step.unsqueeze(-1), q_min, q_max).flatten(-2)
+def codes(w: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' FP4 quantize of w [out, in] under per-group steps [out, groups] (w / step, clamped to
+    +-6, cast to e2m1), as 4-bit codes [out, in] uint8: the magnitude's index in VALUES, the sign in bit 3. The
+    library's eager CPU path runs 15 masked writes; counting the boundaries |x| passes gives the same codes
+    (tests/test_fp4.py), a 2048 x 7168 expert in 0.29 s against 0.53 (torch.bucketize, one thread: 0.50)."""
+    q_min, q_max = _ct()["range"](_ct()["nvfp4"], w.device)
+    group = w.shape[-1] // step.shape[-1]
+    scaled = torch.clamp(w.unflatten(-1, (-1, group)) / step.unsqueeze(-1), q_min, q_max).flatten(-2)
     mag = scaled.abs().float()  # exact; a bf16 comparison would round the boundaries just under a tie up to it
-    codes = torch.zeros(mag.shape, dtype=torch.uint8, device=w.device)
+    out = torch.zeros(mag.shape, dtype=torch.uint8, device=w.device)
     for bound in _BOUNDS.tolist():  # how many boundaries |x| is above (bucketize, but multi-threaded)
-        codes += mag > bound
-    codes |= torch.signbit(torch.sign(scaled)).to(torch.uint8) << 3  # sign(x) * e2m1: the sign of -0.0 too
+        out += mag > bound
+    out |= torch.signbit(torch.sign(scaled)).to(torch.uint8) << 3  # sign(x) * e2m1: the sign of -0.0 too
+    return out
+
+
+def pack(codes: torch.Tensor) -> torch.Tensor:
+    """FP4 packing, as compressed-tensors': two 4-bit codes a byte, the first in the low nibble."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+# the value of each 4-bit code: the e2m1 magnitudes, then the same negated (bit 3 the sign)
+VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def round_e2m1_(x: torch.Tensor) -> torch.Tensor:
+    """x (within +-6) rounded in place to the nearest e2m1 value, ties to even, signed zeros as the library's
+    (-0.0 for a small negative): compressed-tensors' cast_to_fp4 in six elementwise ops, where it takes fifteen. The
+    spacing is 0.5 below 2, 1 below 4 and 2 up to 6, and x / spacing is exact, so round-half-even of it is the
+    cast's rounding (the tie at 0.25 goes to 0, at 0.75 to 1, at 2.5 to 2 and at 5 to 4; tests/test_fp4.py)."""
+    x.add_(0.0)  # -0.0 becomes +0.0, as the cast's |x| * sign(x) makes it; a small negative still rounds to -0.0
+    a = x.abs()
+    spacing = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    return x.div_(spacing).round_().mul_(spacing)
+
+
+def value_codes(v: torch.Tensor) -> torch.Tensor:
+    """The 4-bit codes of e2m1 values (round_e2m1_'s), the sign bit from the value's own sign bit, so that a
+    small negative rounded to -0.0 gets the code the library's cast gives it (8)."""
+    out = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    mag = v.abs()
+    for bound in _BOUNDS.tolist():
+        out += mag > bound
+    return out | (torch.signbit(v).to(torch.uint8) << 3)
 
 
 def dequantize(parts: dict[str, torch.Tensor], nvfp4: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from quantize.quant import fp4 as e2m1
 from quantize.quant.rtn import int_range
 
 
@@ -105,7 +106,7 @@ def _reduced_precision_fp32_matmul(device: torch.device):
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
                   consume: bool = False, **params) -> tuple[torch.Tensor, bool]:
-    """Integer codes [out, in] int8 for W [out, in] under fixed per-group scale [out, in/group]: the solve of
+    """Codes [out, in] int8 for W [out, in] under fixed per-group scale [out, in/group]: the solve of
     gptq_quantize_batched (its `params`) with a stack of one, so the same codes as in any stack.
 
     H: sum of x x^T over the calibration inputs, [in, in], as add_batch leaves it (completed here, in place).
@@ -129,24 +130,29 @@ def gptq_quantize_batched(
     percdamp: float = 0.01,
     actorder: bool = True,
     consume: bool = False,
+    fp4: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """gptq_quantize of a stack of same-shape matrices (the routed experts of a layer): W [E, out, in],
     H [E, in, in], scale [E, out, groups]. Returns codes [E, out, in] int8 and fallback [E] bool.
 
     One Cholesky call, one column loop and one block update per step for the whole stack, so the number of
     kernel launches does not grow with E. Every step is per matrix (elementwise ops, batched products and
-    factorizations), so each expert's codes are those of solving it alone (tests/test_gptq.py)."""
+    factorizations), so each expert's codes are those of solving it alone (tests/test_gptq.py).
+
+    fp4: the codes are e2m1 (NVFP4, MXFP4: 4-bit codes of fp4.VALUES), `scale` each group's effective step
+    (NVFP4's e4m3 scale over its global scale), num_bits and zero_point unused: w / step is clamped to +-6 and
+    rounded to the nearest e2m1 value, as llm-compressor's GPTQ fake-quantizes an FP4 column."""
     assert H.shape == (W.shape[0], W.shape[2], W.shape[2]), f"H {tuple(H.shape)} for W {tuple(W.shape)}"
-    return _quantize(W, H, scale, zero_point, H if consume else None, num_bits, blocksize, percdamp, actorder)
+    return _quantize(W, H, scale, zero_point, H if consume else None, num_bits, blocksize, percdamp, actorder, fp4)
 
 
 def _quantize(W, H, scale, zero_point, release: torch.Tensor | None, num_bits: int = 4, blocksize: int = 128,
-              percdamp: float = 0.01, actorder: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+              percdamp: float = 0.01, actorder: bool = True, fp4: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The working copy, then `release` (the caller's Hessian tensor, whose storage goes), then the solve."""
     work, perm = _working_copy(H, actorder)
     if release is not None:
         release.set_()
-    return _solve(W, work, perm, scale, zero_point, num_bits, blocksize, percdamp)
+    return _solve(W, work, perm, scale, zero_point, num_bits, blocksize, percdamp, fp4)
 
 
 def _working_copy(H: torch.Tensor, actorder: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -197,10 +203,10 @@ _LANES = 64
 _SUB_BLOCK = 16  # columns per sub-block of a GPTQ block (32 x 1024 x 512 experts: 16 took 0.38 s, 32 0.48, 8 0.46)
 
 
-def _solve(W, H, perm, scale, zero_point, num_bits, blocksize, percdamp) -> tuple[torch.Tensor, torch.Tensor]:
+def _solve(W, H, perm, scale, zero_point, num_bits, blocksize, percdamp, fp4=False) -> tuple[torch.Tensor, torch.Tensor]:
     E, out_features, in_features = W.shape
     group_size = in_features // scale.shape[-1]
-    q_min, q_max = int_range(num_bits)
+    q_min, q_max = (-6.0, 6.0) if fp4 else int_range(num_bits)
     d = H.diagonal(dim1=-2, dim2=-1)
     dead = d == 0
     d.masked_fill_(dead, 1)
@@ -247,7 +253,10 @@ def _solve(W, H, perm, scale, zero_point, num_bits, blocksize, percdamp) -> tupl
             for i in range(j1, j2):
                 w, s, c, err = W1[:, i], S1[:, i], Q1[:, i], Err1[:, i]
                 torch.div(w, s, out=c)
-                if Z1 is None:
+                if fp4:
+                    e2m1.round_e2m1_(c.clamp_(q_min, q_max))
+                    torch.addcmul(w, c, s, value=-1, out=err)
+                elif Z1 is None:
                     c.round_().clamp_(q_min, q_max)
                     torch.addcmul(w, c, s, value=-1, out=err)  # w - q, q = c * s
                 else:
@@ -257,7 +266,7 @@ def _solve(W, H, perm, scale, zero_point, num_bits, blocksize, percdamp) -> tupl
                 W1[:, i:j2].addcmul_(Hinv1[:, i, i:j2, None], err[:, None, :], value=-1)
             if j2 < b:
                 W1[:, j2:].sub_(torch.bmm(Hinv1[:, j1:j2, j2:].transpose(1, 2), Err1[:, j1:j2]))
-        codes_t[:, i1:i2] = Q1
+        codes_t[:, i1:i2] = e2m1.value_codes(Q1) if fp4 else Q1
         if i2 < in_features:
             WT[:, i2:].sub_(torch.bmm(Hinv[:, i1:i2, i2:].transpose(1, 2), Err1))
 
