@@ -27,6 +27,21 @@ def _weights(shape, dtype, seed):
     return w.to(dtype)
 
 
+def _nvfp4(w: torch.Tensor, gscale: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """What convert writes for w (round to nearest, NVFP4A16): weight_packed, weight_scale, weight_global_scale."""
+    from quantize import recipe
+    from quantize.engine.stream import rtn_outputs
+
+    return rtn_outputs(recipe.preset("nvfp4a16", 128).scheme, w, gscale)
+
+
+def _mxfp4(w: torch.Tensor) -> list[torch.Tensor]:
+    from quantize import recipe
+    from quantize.engine.stream import rtn_outputs
+
+    return rtn_outputs(recipe.preset("mxfp4a16", 128).scheme, w)
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
@@ -37,12 +52,12 @@ def test_nvfp4_and_mxfp4_bytes_are_the_libraries(dtype, shape):
     w = _weights(shape, dtype, sum(shape))
     name = "model.layers.0.self_attn.o_proj"
     ref = _reference({f"{name}.weight": w}, "NVFP4A16")
-    packed, scale, gscale = fp4.nvfp4(w)
+    packed, scale, gscale = _nvfp4(w)
     assert _same(packed, ref[f"{name}.weight_packed"]) and _same(scale, ref[f"{name}.weight_scale"])
     assert _same(gscale, ref[f"{name}.weight_global_scale"])
     if shape[1] % 32 == 0:
         ref = _reference({f"{name}.weight": w}, "MXFP4A16")
-        packed, scale = fp4.mxfp4(w)
+        packed, scale = _mxfp4(w)
         assert _same(packed, ref[f"{name}.weight_packed"]) and _same(scale, ref[f"{name}.weight_scale"])
 
 
@@ -54,10 +69,10 @@ def test_a_fused_set_shares_the_global_scale_of_its_largest_member():
     ref = _reference({f"{prefix}gate_proj.weight": gate, f"{prefix}up_proj.weight": up}, "NVFP4A16")
     shared = fp4.global_scale(torch.max(fp4.absmax(gate), fp4.absmax(up)))
     for leaf, w in (("gate_proj", gate), ("up_proj", up)):
-        packed, scale, gscale = fp4.nvfp4(w, shared)
+        packed, scale, gscale = _nvfp4(w, shared)
         assert _same(packed, ref[f"{prefix}{leaf}.weight_packed"]) and _same(scale, ref[f"{prefix}{leaf}.weight_scale"])
         assert _same(gscale, ref[f"{prefix}{leaf}.weight_global_scale"])
-    assert not torch.equal(fp4.nvfp4(gate)[2], shared)  # alone, gate would have had its own
+    assert not torch.equal(_nvfp4(gate)[2], shared)  # alone, gate would have had its own
 
 
 def _compare(ours: dict, ref: dict, ckpt, scheme: str) -> set[str]:
@@ -81,7 +96,7 @@ def _compare(ours: dict, ref: dict, ckpt, scheme: str) -> set[str]:
         members = sets[f"{module}.weight"]
         ws = [ckpt.decode(ckpt.tensors[m], torch.device("cpu")).to(ckpt.dtype) for m in members]
         shared = fp4.global_scale(torch.stack([fp4.absmax(w) for w in ws]).max())
-        mine = fp4.nvfp4(ws[members.index(f"{module}.weight")], shared)
+        mine = _nvfp4(ws[members.index(f"{module}.weight")], shared)
         for part, t in zip(("weight_packed", "weight_scale", "weight_global_scale"), mine, strict=True):
             assert _same(ours[f"{module}.{part}"], t), (module, part)
         for m in members:
@@ -280,7 +295,7 @@ def test_a_source_already_in_the_fp4_scheme_passes_through_and_feeds_the_others(
     m = "model.layers.1.mlp.down_proj"
     parts = {k.rpartition(".")[2]: v for k, v in a.items() if k.rpartition(".")[0] == m}
     decoded = fp4.dequantize(parts, True)[0].to(torch.bfloat16)
-    packed, scale = fp4.mxfp4(decoded)
+    packed, scale = _mxfp4(decoded)
     got = read_all(mx)
     assert _same(got[f"{m}.weight_packed"], packed) and _same(got[f"{m}.weight_scale"], scale)
     int4 = tmp_path / "int4"

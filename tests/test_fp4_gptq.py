@@ -188,6 +188,12 @@ def test_nvfp4_w4a4_is_llm_compressors_layout_with_its_activation_scales(fixture
     arithmetic = planner.weights_of(model, layout, planner.recipe_bytes(recipe.preset("nvfp4", 128, method="gptq"),
                                                                             model.arch.family))
     assert sum(w.nbytes for w in arithmetic) == sum(t.numel() * t.element_size() for t in ours.values())
+    from transformers import AutoModelForCausalLM  # and it loads, every key taken (W4A4 modules too)
+
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.bfloat16)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        assert torch.isfinite(loaded(samples[0]).logits).all()
 
 
 def test_nvfp4_w4a4_experts_get_their_own_input_ranges(fixtures_dir, tmp_path):

@@ -264,8 +264,9 @@ class LayerExperts:
                 # an expert too rarely routed for GPTQ still needs its inputs' range: its own tokens, or for one
                 # the router never chose, the first rows of the layer's (an expert's gate/up see the same inputs)
                 tokens = routing.tokens(e)
-                self._activation_amax(e, weights[e], tokens if tokens.numel() else torch.arange(min(self.tokens,
-                                                                                                    HESSIAN_ROWS)))
+                if not tokens.numel():
+                    tokens = torch.arange(min(self.tokens, HESSIAN_ROWS))
+                self._hessians(weights[e], tokens, amax_of=e, hessians=False)
             if e not in h_in:
                 for leaf in self.targets[e]:
                     w = weights[e][leaf]
@@ -310,39 +311,31 @@ class LayerExperts:
                 for leaf in LEAVES}
 
     def _hessians(self, w: dict[str, torch.Tensor], tokens: torch.Tensor, shared_in: torch.Tensor | None = None,
-                  amax_of: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  amax_of: int | None = None, hessians: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The input Hessian (a copy of `shared_in` when given) and the down projection's, from these rows;
-        amax_of: also record expert amax_of's input ranges (NVFP4 activations) from the same products."""
+        amax_of: also record expert amax_of's input ranges (NVFP4 activations) from the same products, or only
+        those with hessians=False (an expert too rarely routed for GPTQ)."""
         c = self.s.compute
         gate, up = w["gate_proj"].to(c), w["up_proj"].to(c)
-        H_in = shared_in.clone() if shared_in is not None else torch.zeros(gate.shape[1], gate.shape[1],
-                                                                           device=self.s.device)
-        H_down = torch.zeros(gate.shape[0], gate.shape[0], device=self.s.device)
+        H_in = H_down = None
+        if hessians:
+            H_in = shared_in.clone() if shared_in is not None else torch.zeros(gate.shape[1], gate.shape[1],
+                                                                               device=self.s.device)
+            H_down = torch.zeros(gate.shape[0], gate.shape[0], device=self.s.device)
         a_in = a_down = torch.zeros((), dtype=c, device=self.s.device)
         with torch.no_grad():
             for r in range(0, tokens.numel(), HESSIAN_ROWS):
                 x = self.x_cal.rows(tokens[r:r + HESSIAN_ROWS])
-                if shared_in is None:
+                if hessians and shared_in is None:
                     gptq.add_batch(H_in, x)
                 h = self.act_fn(F.linear(x, gate)) * F.linear(x, up)
-                gptq.add_batch(H_down, h)
+                if hessians:
+                    gptq.add_batch(H_down, h)
                 if amax_of is not None:
                     a_in, a_down = torch.maximum(a_in, x.abs().amax()), torch.maximum(a_down, h.abs().amax())
         if amax_of is not None:
             self._keep_amax(amax_of, a_in, a_down)
         return H_in, H_down
-
-    def _activation_amax(self, e: int, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> None:
-        """Expert e's input ranges over these rows (NVFP4 activations), without the Hessians."""
-        c = self.s.compute
-        gate, up = w["gate_proj"].to(c), w["up_proj"].to(c)
-        a_in = a_down = torch.zeros((), dtype=c, device=self.s.device)
-        with torch.no_grad():
-            for r in range(0, tokens.numel(), HESSIAN_ROWS):
-                x = self.x_cal.rows(tokens[r:r + HESSIAN_ROWS])
-                h = self.act_fn(F.linear(x, gate)) * F.linear(x, up)
-                a_in, a_down = torch.maximum(a_in, x.abs().amax()), torch.maximum(a_down, h.abs().amax())
-        self._keep_amax(e, a_in, a_down)
 
     def _keep_amax(self, e: int, a_in: torch.Tensor, a_down: torch.Tensor) -> None:
         """gate and up share the expert's input; down's input is act(gate x) * up x. In the model's dtype, as

@@ -70,21 +70,6 @@ def mx_bytes(scale: torch.Tensor) -> torch.Tensor:
     return _ct()["mx_scale"](scale, torch.uint8)
 
 
-def nvfp4(w: torch.Tensor, gscale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(weight_packed uint8 [out, in/2], weight_scale e4m3 [out, in/16], weight_global_scale float32 [1]) of
-    w [out, in]; gscale: the global scale of w's fused set (default: w's own)."""
-    if gscale is None:
-        gscale = global_scale(absmax(w))
-    scale = nvfp4_scale(w, gscale)
-    return pack(codes(w, scale / gscale)), scale.to(torch.float8_e4m3fn), gscale
-
-
-def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight_packed uint8 [out, in/2], weight_scale e8m0 as uint8 [out, in/32]) of w [out, in]."""
-    scale = mxfp4_scale(w)
-    return pack(codes(w, scale)), mx_bytes(scale)
-
-
 # e2m1 magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 and where |x| moves to the next one: compressed-tensors' cast_to_fp4
 # rounds ties to even, so a tie at 0.25, 1.25, 2.5 or 5 stays below and one at 0.75, 1.75 or 3.5 goes above (the
 # boundary just under it, so that bucketize's x <= boundary sends the tie up)
