@@ -274,7 +274,7 @@ def decode_parts(t: LogicalTensor, parts: dict[str, torch.Tensor], fmt: SourceFo
         if fmt.block and tuple(parts["scale"].shape) == fp8.block_grid(t.shape, fmt.block):
             return fp8.dequantize_block(parts["tensor"], parts["scale"], fmt.block, dtype)
         return fp8.dequantize_scaled(parts["tensor"], parts["scale"], dtype)
-    if t.encoding in ("ct-nvfp4", "ct-mxfp4"):
+    if t.encoding in FP4_FORMATS.values():
         return fp4.dequantize(parts, t.encoding == "ct-nvfp4")[0].to(dtype)
     q = pack.unpack_int4(parts["weight_packed"])[:, : t.shape[1]]
     zp = parts.get("weight_zero_point")

@@ -11,7 +11,7 @@ import psutil
 import torch
 
 from quantize import arch, serving
-from quantize.checkpoint import Checkpoint, LogicalTensor
+from quantize.checkpoint import FP4_FORMATS, Checkpoint, LogicalTensor
 from quantize.errors import QuantizeError, UsageError
 from quantize.plan import REPLICATED
 from quantize.quant import fp8
@@ -231,7 +231,7 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
             )
         if any(e.action == "dequantize" and e.tensor.encoding == "ct-int4" for e in entries):
             warnings.append("INT4 source weights the recipe does not target are written back as BF16 (larger)")
-    if ckpt.format.kind in ("ct-nvfp4", "ct-mxfp4"):
+    if ckpt.format.kind in FP4_FORMATS.values():
         fmt = "NVFP4" + (" W4A4" if ckpt.format.w4a4 else "A16") if ckpt.format.kind == "ct-nvfp4" else "MXFP4A16"
         if any(e.tensor.encoding == ckpt.format.kind and e.action == "quantize" for e in entries):
             warnings.append(f"source is {fmt}; another scheme dequantizes and re-quantizes its weights (error compounds)")

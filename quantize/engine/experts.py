@@ -351,7 +351,7 @@ class LayerExperts:
             return None
         w13 = ("gate_proj", "up_proj")
         fused = w13 if leaf in w13 and set(w13) <= set(self.targets[e]) else (leaf,)
-        return fp4.global_scale(torch.stack([fp4.absmax(w[x]) for x in fused]).max())
+        return fp4.set_global_scale(w[x] for x in fused)
 
     def _solve_stack(self, group: list[str], members: list[int], weights, hessians) -> None:
         """GPTQ of the same Linears of several experts as one stack; Linears fed the same input (gate and up)

@@ -591,10 +591,9 @@ class LayerwiseQuantizer:
             return [None] * len(ws)
         here = dict(zip(names, ws, strict=True))
 
-        def amax(m: str) -> torch.Tensor:
-            w = here[m] if m in here else self.ckpt.decode(self.ckpt.tensors[m], self.device).to(self.dtype)
-            return fp4.absmax(w)
-        return [fp4.global_scale(torch.stack([amax(m) for m in self.plan.fused.get(n, (n,))]).max()) for n in names]
+        def weight(m: str) -> torch.Tensor:
+            return here[m] if m in here else self.ckpt.decode(self.ckpt.tensors[m], self.device).to(self.dtype)
+        return [fp4.set_global_scale(weight(m) for m in self.plan.fused.get(n, (n,))) for n in names]
 
     def _commit(self, module: nn.Linear, e: Entry, codes, params: "codec.Params", fallback: bool,
                 report: LayerReport, input_amax: torch.Tensor | None = None) -> None:

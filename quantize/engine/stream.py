@@ -122,7 +122,7 @@ def _fused_outputs(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor) 
             members = plan.fused[e.tensor.name]
             ws = {m: w if m == e.tensor.name else plan.ckpt.decode(plan.ckpt.tensors[m], device).to(plan.ckpt.dtype)
                   for m in members}
-            shared = fp4.global_scale(torch.stack([fp4.absmax(x) for x in ws.values()]).max())
+            shared = fp4.set_global_scale(ws.values())
             for m, x in ws.items():
                 stash.ready[m] = rtn_outputs(plan.recipe.scheme, x, shared)
         return stash.ready.pop(e.tensor.name)

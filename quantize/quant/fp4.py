@@ -50,6 +50,12 @@ def global_scale(amax: torch.Tensor) -> torch.Tensor:
     return _ct()["gparam"](-amax.reshape(1), amax.reshape(1))
 
 
+def set_global_scale(weights) -> torch.Tensor:
+    """The one global scale of a set of weights an engine fuses into one GEMM (q/k/v, gate/up): from the
+    largest magnitude of any member, so that each member's codes dequantize under the fused tensor's scale."""
+    return global_scale(torch.stack([absmax(w) for w in weights]).max())
+
+
 def nvfp4_scale(w: torch.Tensor, gscale: torch.Tensor) -> torch.Tensor:
     """NVFP4's local scales [out, in/16] of w under global scale gscale: e4m3 values, in w's dtype (the dtype of
     the module's weight_scale parameter); a group's step is scale / gscale."""
