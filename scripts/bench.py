@@ -357,7 +357,13 @@ def calibration_text(work: Path) -> Path:
 
 
 def bench_calibrated(args) -> dict:
-    """Our layerwise GPTQ or AWQ vs llm-compressor's oneshot on SmolLM2, same token windows, plus our RTN."""
+    """Our layerwise GPTQ or AWQ vs llm-compressor's oneshot on SmolLM2, same token windows, plus our RTN.
+
+    With several --seeds, each seed draws its own calibration windows and both tools quantize with that draw
+    (paired). GPTQ's codes move with float summation order alone (one tool, one draw: a few % of perplexity), so
+    one pair says little about a 1% difference; the mean over paired draws, and its spread, do."""
+    import statistics
+
     from quantize import calib
 
     work = Path(args.work)
@@ -367,45 +373,64 @@ def bench_calibrated(args) -> dict:
         subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "shared/scripts/build_smollm2.py"),
                         str(src)], check=True)
     data = calibration_text(work)
-    samples = calib.load_samples(str(data), calib.load_tokenizer(src), args.num_samples, args.seq_len, seed=0)
-    samples_file = work / "samples.json"
-    samples_file.write_text(json.dumps([s[0].tolist() for s in samples]))
+    seeds = [int(x) for x in args.seeds.split(",")]
+    samples = {}
+    for seed in seeds:
+        samples[seed] = calib.load_samples(str(data), calib.load_tokenizer(src), args.num_samples, args.seq_len,
+                                           seed=seed)
+        (work / f"samples-{seed}.json").write_text(json.dumps([x[0].tolist() for x in samples[seed]]))
     m, fp4 = args.what, args.scheme != "w4a16"
-    names = ("rtn", m, f"llmc-{m}", *(("llmc-rtn",) if fp4 else ()))  # FP4: the library's RTN too (A16: data-free)
-    outs = {name: work / f"smol-{args.scheme}-{name}" for name in names}
+    tag = lambda seed: "" if seed == 0 else f"-seed{seed}"  # noqa: E731 - seed 0 keeps the folder names it had
+    outs = {"rtn": work / f"smol-{args.scheme}-rtn"} | ({"llmc-rtn": work / f"smol-{args.scheme}-llmc-rtn"} if fp4 else {})
+    for seed in seeds:
+        outs[f"{m}{tag(seed)}"] = work / f"smol-{args.scheme}-{m}{tag(seed)}"
+        outs[f"llmc-{m}{tag(seed)}"] = work / f"smol-{args.scheme}-llmc-{m}{tag(seed)}"
     for d in outs.values():
         fresh(d)
     common = ["--scheme", args.scheme, "--json", *(() if fp4 else ("--group-size", str(args.group_size)))]
     rtn = measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs["rtn"]), *common])
     ref_rtn = None
-    if fp4:
-        ref_rtn = measure([sys.executable, "-c", ONESHOT, str(src), str(outs["llmc-rtn"]), str(samples_file),
+    if fp4:  # FP4: the library's RTN too (A16: data-free)
+        ref_rtn = measure([sys.executable, "-c", ONESHOT, str(src), str(outs["llmc-rtn"]), str(work / "samples-0.json"),
                            str(args.group_size), "rtn", args.scheme])
     ours_runs, ref_runs = [], []
-    for _ in range(args.repeat):  # alternated, so that a slow spell of the machine weighs on both tools
-        fresh(outs[m])
-        fresh(outs[f"llmc-{m}"])
-        ours_runs.append(measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs[m]), *common,
-                                  "--method", m, "--calib", str(data), "--num-samples", str(args.num_samples),
-                                  "--seq-len", str(args.seq_len)]))
-        ref_runs.append(measure([sys.executable, "-c", ONESHOT, str(src), str(outs[f"llmc-{m}"]), str(samples_file),
-                                 str(args.group_size), m, args.scheme]))
+    for seed in seeds:
+        for _ in range(args.repeat):  # alternated, so that a slow spell of the machine weighs on both tools
+            ours, ref = outs[f"{m}{tag(seed)}"], outs[f"llmc-{m}{tag(seed)}"]
+            fresh(ours)
+            fresh(ref)
+            ours_runs.append(measure([sys.executable, "-m", "quantize", "convert", str(src), str(ours), *common,
+                                      "--method", m, "--calib", str(data), "--num-samples", str(args.num_samples),
+                                      "--seq-len", str(args.seq_len), "--seed", str(seed)]))
+            ref_runs.append(measure([sys.executable, "-c", ONESHOT, str(src), str(ref),
+                                     str(work / f"samples-{seed}.json"), str(args.group_size), m, args.scheme]))
     ours, ref = best_of(ours_runs), best_of(ref_runs)
     text = PPL_TEXT.read_text()
     ppl = {"bf16": perplexity(src, text)} | {name: perplexity(d, text) for name, d in outs.items()}
+    draws = [{"seed": seed, "ours": ppl[f"{m}{tag(seed)}"], "llmc": ppl[f"llmc-{m}{tag(seed)}"],
+              "ratio": ppl[f"{m}{tag(seed)}"] / ppl[f"llmc-{m}{tag(seed)}"]} for seed in seeds]
+    spread = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
+    mean_ours, mean_ref = statistics.mean(d["ours"] for d in draws), statistics.mean(d["llmc"] for d in draws)
+    ratios = [d["ratio"] for d in draws]
     extra = {}
     if fp4:
         extra = {"llmc_rtn": ref_rtn, "ours_vs_llmc_rtn_ppl_ratio": ppl["rtn"] / ppl["llmc-rtn"],
                  "rtn_bytes_vs_llmc": compare_outputs(outs["rtn"], outs["llmc-rtn"]),
-                 f"{m}_bytes_vs_llmc": compare_outputs(outs[m], outs[f"llmc-{m}"])}
+                 f"{m}_bytes_vs_llmc": compare_outputs(outs[m], outs[f"llmc-{m}"])} if seeds[0] == 0 else {}
     return {
         "model": "SmolLM2-135M-Instruct", "method": m,
         "scheme": args.scheme if fp4 else f"w4a16 g{args.group_size} symmetric",
         "calibration": {"data": "pydoc_data.topics (running text, windows)", "num_samples": args.num_samples,
-                        "seq_len": args.seq_len, "tokens": sum(s.numel() for s in samples)},
-        "perplexity_text": str(PPL_TEXT), "perplexity": ppl,
-        "ours_vs_llmc_ppl_ratio": ppl[m] / ppl[f"llmc-{m}"],
-        "ours_vs_rtn_ppl_ratio": ppl[m] / ppl["rtn"],
+                        "seq_len": args.seq_len, "tokens": sum(x.numel() for x in samples[seeds[0]]), "seeds": seeds},
+        "perplexity_text": str(PPL_TEXT), "perplexity": ppl, "draws": draws,
+        "mean_perplexity": {"ours": mean_ours, "llmc": mean_ref,
+                            "ours_stdev": spread([d["ours"] for d in draws]),
+                            "llmc_stdev": spread([d["llmc"] for d in draws])},
+        # the paired ratios' mean and its standard error: what the draws say about the tools' difference
+        "ours_vs_llmc_ppl_ratio": mean_ours / mean_ref,
+        "paired_ratio_mean": statistics.mean(ratios),
+        "paired_ratio_stderr": spread(ratios) / math.sqrt(len(ratios)),
+        "ours_vs_rtn_ppl_ratio": mean_ours / ppl["rtn"],
         "quantize_rtn": rtn, f"quantize_{m}": ours, f"llmc_oneshot_{m}": ref,
         "speedup_vs_oneshot": ref["seconds"] / ours["seconds"],
         "rss_ratio_vs_oneshot": ours["peak_rss"] / ref["peak_rss"], **extra,
@@ -696,6 +721,8 @@ def main() -> None:
                        default="w4a16", help="w4a16: INT4 at --group-size; nvfp4a16, mxfp4a16: compressed-tensors' "
                        "FP4 presets (their own group sizes), with llm-compressor's RTN of the same preset beside")
         q.add_argument("--repeat", type=int, default=1, help="runs of each tool, alternated; the fastest counts")
+        q.add_argument("--seeds", default="0", help="calibration draws, e.g. 0,1,2,3: both tools quantize each "
+                       "seed's windows; the perplexities are reported per draw and as paired means")
         q.add_argument("--work", default=".cache/bench")
         q.add_argument("--json", dest="json_out")
     def moe_parser(name, about, experts, hidden, inter, heads, num_samples, seq_len):
