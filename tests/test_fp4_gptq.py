@@ -30,8 +30,10 @@ def test_e2m1_rounding_of_a_column_is_the_librarys_cast():
     x = torch.cat([x, torch.tensor([0.0, -0.0])])
     want, got = cast_to_fp4(x.clone()), fp4.round_e2m1_(x.clone())
     assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))  # signed zeros too
-    # the codes of the rounded values are the round-to-nearest packer's codes of the values themselves
-    assert torch.equal(fp4.value_codes(got), fp4.codes(x[None], torch.ones(1, 1))[0])
+    # the codes of the rounded values are the round-to-nearest packer's codes of the values themselves, but for
+    # -0.0: GPTQ's zeros are stored as the library compresses a dequantized weight, +0 (code 0, not 8)
+    rtn = fp4.codes(x[None], torch.ones(1, 1))[0]
+    assert (rtn == 8).any() and torch.equal(fp4.value_codes(got), torch.where(rtn == 8, 0, rtn))
 
 
 @pytest.mark.parametrize("actorder", [None, "static"])
@@ -56,6 +58,20 @@ def test_fp4_gptq_is_llm_compressors_and_beats_round_to_nearest(scheme, actorder
     theirs, _, _ = quantize_weight(W.float()[None], (2 * H / X.shape[0])[None], scale[None], torch.zeros_like(scale)[None],
                                    gscale, args)
     assert (ours == theirs[0]).float().mean() > 0.999  # float summation order may flip a rare tie
+    # and the bytes: llm-compressor keeps the dequantized weight (in the model's dtype) and compressed-tensors'
+    # compressor packs it at save, where an exact -0.0 casts to +0 (code 0): a GPTQ zero is never code 8, unlike a
+    # round-to-nearest small negative (llm-compressor's SmolLM2 NVFP4A16 GPTQ output holds no code 8 at all)
+    from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    state = {"weight": theirs[0].to(W.dtype), "weight_scale": scale} | ({"weight_global_scale": gscale}
+                                                                          if gscale is not None else {})
+    compressor = NVFP4PackedCompressor if s.fp4 == "nvfp4" else MXFP4PackedCompressor
+    packed = compressor.compress(state, QuantizationScheme(targets=["Linear"], weights=args))["weight_packed"]
+    nibbles = lambda t: torch.stack([t & 15, t >> 4], -1)  # noqa: E731
+    assert (nibbles(fp4.pack(codes.to(torch.uint8))) == nibbles(packed)).float().mean() > 0.999
+    assert not (codes == 8).any()
 
     def loss(Q):
         return (X @ (W.float() - Q).t()).norm()

@@ -121,13 +121,14 @@ def round_e2m1_(x: torch.Tensor) -> torch.Tensor:
 
 
 def value_codes(v: torch.Tensor) -> torch.Tensor:
-    """The 4-bit codes of e2m1 values (round_e2m1_'s), the sign bit from the value's own sign bit, so that a
-    small negative rounded to -0.0 gets the code the library's cast gives it (8)."""
+    """The 4-bit codes of GPTQ's e2m1 values (round_e2m1_'s) as llm-compressor's GPTQ output holds them: it keeps
+    the dequantized weight and compressed-tensors casts that again at save, where an exact -0.0 becomes +0, so a
+    zero is always code 0 (round to nearest gives a small negative code 8: `codes`)."""
     out = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
     mag = v.abs()
     for bound in _BOUNDS.tolist():
         out += mag > bound
-    return out | (torch.signbit(v).to(torch.uint8) << 3)
+    return out | ((v < 0).to(torch.uint8) << 3)
 
 
 def dequantize(parts: dict[str, torch.Tensor], nvfp4: bool) -> tuple[torch.Tensor, torch.Tensor]:
