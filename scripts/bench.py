@@ -415,8 +415,9 @@ def bench_calibrated(args) -> dict:
     extra = {}
     if fp4:
         extra = {"llmc_rtn": ref_rtn, "ours_vs_llmc_rtn_ppl_ratio": ppl["rtn"] / ppl["llmc-rtn"],
-                 "rtn_bytes_vs_llmc": compare_outputs(outs["rtn"], outs["llmc-rtn"]),
-                 f"{m}_bytes_vs_llmc": compare_outputs(outs[m], outs[f"llmc-{m}"])} if seeds[0] == 0 else {}
+                 "rtn_bytes_vs_llmc": compare_outputs(outs["rtn"], outs["llmc-rtn"])}
+        extra |= {f"{m}{tag(s)}_bytes_vs_llmc": compare_outputs(outs[f"{m}{tag(s)}"], outs[f"llmc-{m}{tag(s)}"])
+                  for s in seeds}
     return {
         "model": "SmolLM2-135M-Instruct", "method": m,
         "scheme": args.scheme if fp4 else f"w4a16 g{args.group_size} symmetric",

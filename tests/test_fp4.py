@@ -95,7 +95,7 @@ def _compare(ours: dict, ref: dict, ckpt, scheme: str) -> set[str]:
     for module in departed:
         members = sets[f"{module}.weight"]
         ws = [ckpt.decode(ckpt.tensors[m], torch.device("cpu")).to(ckpt.dtype) for m in members]
-        shared = fp4.global_scale(torch.stack([fp4.absmax(w) for w in ws]).max())
+        shared = fp4.set_global_scale(ws)
         mine = _nvfp4(ws[members.index(f"{module}.weight")], shared)
         for part, t in zip(("weight_packed", "weight_scale", "weight_global_scale"), mine, strict=True):
             assert _same(ours[f"{module}.{part}"], t), (module, part)
