@@ -12,12 +12,14 @@ A weight's scale may sit in another shard than the weight; every part is looked 
 """
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from quantize.arch import layout
 from quantize.errors import QuantizeError
 from quantize.hub import snapshot_roots
 from quantize.quant import fp4, fp8, pack, rtn
@@ -66,47 +68,88 @@ class LogicalTensor:
         return self.main.dtype
 
 
-def _inside(root: Path, rel: str) -> Path:
+def _inside(root: Path, rel: str, named_by: str = INDEX_NAME) -> Path:
     """Resolve a file the index names, refusing anything that leaves the checkpoint folder (an HF-cache snapshot's
     links into its repo's blobs/ stay inside)."""
     if os.path.isabs(rel) or ".." in Path(rel).parts:
-        raise QuantizeError(f"{INDEX_NAME}: entry {rel!r} points outside the checkpoint folder; refusing to read it")
+        raise QuantizeError(f"{named_by}: entry {rel!r} points outside the checkpoint folder; refusing to read it")
     path = root / rel
-    resolved = path.resolve()
+    try:
+        resolved = path.resolve()
+    except (RuntimeError, OSError) as e:  # Python 3.11 raises RuntimeError on a loop, later versions OSError
+        raise QuantizeError(f"{named_by}: {rel!r} is a symbolic link that loops; refusing to read it") from e
+    if path.is_symlink() and not path.exists():
+        raise QuantizeError(f"{named_by}: {rel!r} is a symbolic link that points nowhere; download the checkpoint again")
     if not any(resolved == base or base in resolved.parents for base in snapshot_roots(root)):
-        raise QuantizeError(f"{INDEX_NAME}: {rel!r} is a link that leaves the checkpoint folder; refusing to read it")
+        raise QuantizeError(f"{named_by}: {rel!r} is a link that leaves the checkpoint folder; refusing to read it")
     return path
 
 
+def _object(v, where: str) -> dict:
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise QuantizeError(f"config.json: {where} is {type(v).__name__}, expected an object; the config is broken")
+    return v
+
+
+def _block(v, where: str) -> tuple[int, int] | None:
+    """A block size: two whole numbers from 1 to 65536 (the scale grid is derived from it)."""
+    if v is None:
+        return None
+    if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= 65536
+                                                       for x in v)):
+        raise QuantizeError(f"config.json: {where} is {v!r}, expected two whole numbers from 1 to 65536 (e.g. [128, 128])")
+    return tuple(v)
+
+
+def _group_size(v, where: str) -> int | None:
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65536):
+        raise QuantizeError(f"config.json: {where} is {v!r}, expected a whole number from 1 to 65536")
+    return v
+
+
 def _source_format(config: dict) -> SourceFormat:
-    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    qc = config.get("quantization_config") or _object(config.get("text_config"), "text_config").get("quantization_config")
     if not qc:
         return SourceFormat("float")
+    qc = _object(qc, "quantization_config")
     method = qc.get("quant_method")
     if method == "fp8":
-        return SourceFormat("fp8-block", block=tuple(qc.get("weight_block_size") or (128, 128)))
+        return SourceFormat("fp8-block", block=_block(qc.get("weight_block_size"), "quantization_config.weight_block_size")
+                            or (128, 128))
     if method == "compressed-tensors":
-        ignore = tuple(qc.get("ignore") or ())
-        groups = list((qc.get("config_groups") or {}).values())
+        ignore = qc.get("ignore") or ()
+        if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+            raise QuantizeError("config.json: quantization_config.ignore must be a list of module names or patterns")
+        ignore = tuple(ignore)
+        groups = list(_object(qc.get("config_groups"), "quantization_config.config_groups").values())
         fmt = qc.get("format")
-        weights = (groups[0].get("weights") or {}) if groups else {}
-        fmt = groups[0].get("format", fmt) if groups else fmt
+        first = _object(groups[0], "quantization_config.config_groups's first group") if groups else {}
+        weights = _object(first.get("weights"), "quantization_config's weights")
+        fmt = first.get("format", fmt)
         if fmt == "float-quantized":
-            block = weights.get("block_structure")
-            return SourceFormat("ct-fp8", block=tuple(block) if block else None, ignore=ignore)
+            block = _block(weights.get("block_structure"), "quantization_config's weights.block_structure")
+            return SourceFormat("ct-fp8", block=block, ignore=ignore)
         if fmt == "pack-quantized":
             if weights.get("num_bits", 4) != 4:
-                raise QuantizeError(f"pack-quantized with num_bits {weights.get('num_bits')} is not supported as input (4 is)")
+                raise QuantizeError(f"pack-quantized with num_bits {weights.get('num_bits')!r} is not supported as input (4 is)")
+            symmetric = weights.get("symmetric", True)
+            if not isinstance(symmetric, bool):
+                raise QuantizeError(f"config.json: quantization_config's weights.symmetric is {symmetric!r}, expected "
+                                    "true or false")
             return SourceFormat(
                 "ct-int4",
-                num_bits=weights.get("num_bits", 4),
-                group_size=weights.get("group_size"),
-                symmetric=weights.get("symmetric", True),
+                num_bits=4,
+                group_size=_group_size(weights.get("group_size"), "quantization_config's weights.group_size"),
+                symmetric=symmetric,
                 ignore=ignore,
             )
         if fmt in FP4_FORMATS:
-            acts = (groups[0].get("input_activations") or {}) if groups else {}
-            return SourceFormat(FP4_FORMATS[fmt], group_size=weights.get("group_size"), ignore=ignore,
+            acts = _object(first.get("input_activations"), "quantization_config's input_activations")
+            return SourceFormat(FP4_FORMATS[fmt], group_size=_group_size(weights.get("group_size"),
+                                                                         "quantization_config's weights.group_size"),
+                                ignore=ignore,
                                 w4a4=acts.get("type") == "float" and acts.get("num_bits") == 4)
         raise QuantizeError(f"compressed-tensors format {fmt!r} is not supported as input (float-quantized, "
                             f"pack-quantized, {', '.join(FP4_FORMATS)} are)")
@@ -132,8 +175,9 @@ class Checkpoint:
             raise QuantizeError(f"{self.root}: no config.json; is this a Hugging Face model folder?")
         try:
             self.config: dict = json.loads(config_path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise QuantizeError(f"config.json: not valid JSON ({e})") from e
+        layout.check_config(self.config)
         self.format = _source_format(self.config)
         self.shards = self._shard_paths()
         self.stored: dict[str, TensorInfo] = {}
@@ -170,7 +214,8 @@ class Checkpoint:
                     )
             return paths
         self.weight_map = {}
-        paths = sorted(p for p in self.root.glob("*.safetensors") if p.is_file())
+        paths = sorted(_inside(self.root, p.name, f"{self.root.name}/") for p in self.root.glob("*.safetensors")
+                       if p.is_file() or p.is_symlink())
         if paths:
             return paths
         pickles = sorted(p.name for p in self.root.iterdir() if p.suffix in PICKLE_SUFFIXES)
@@ -210,7 +255,11 @@ class Checkpoint:
                         raise QuantizeError(
                             f"{info.path.name}: {name} has no {module}.{p} in any shard; the checkpoint is incomplete"
                         )
-                shape = tuple(int(v) for v in read_tensor(parts["weight_shape"]).tolist())
+                ws = parts["weight_shape"]
+                if ws.shape != (2,) or ws.dtype not in ("I64", "I32"):
+                    raise QuantizeError(f"{ws.path.name}: {ws.name} is {ws.dtype} {list(ws.shape)}, expected the two "
+                                        "integers [out, in]; the checkpoint is inconsistent")
+                shape = tuple(int(v) for v in read_tensor(ws).tolist())
                 out[f"{module}.weight"] = LogicalTensor(f"{module}.weight", shape, "ct-int4", parts)
                 consumed.update(p.name for p in parts.values())
             elif leaf == "weight" and info.dtype in ("F8_E4M3", "F8_E5M2"):
@@ -234,6 +283,12 @@ class Checkpoint:
                         "weight_global_scale", "input_global_scale"):
                 raise QuantizeError(f"{info.path.name}: {name} has no weight it belongs to; the checkpoint is inconsistent")
             out[name] = LogicalTensor(name, info.shape, "float", {"tensor": info})
+        for t in out.values():
+            if t.encoding != "float":
+                _check_parts(t, self.format)
+        if fmt != "float" and not any(t.encoding == fmt for t in out.values()):
+            raise QuantizeError(f"config.json: quantization_config says the weights are {fmt}, but no tensor is stored "
+                                "that way; the config contradicts the weights")
         return dict(sorted(out.items(), key=lambda kv: (self.shards.index(kv[1].main.path), kv[1].main.start)))
 
     @property
@@ -263,6 +318,50 @@ class Checkpoint:
         if bad:
             raise QuantizeError(f"{t.main.path.name}: tensor {t.name} holds {bad} NaN/Inf value(s); the source is "
                                 "broken (pass --allow-nonfinite to convert it anyway)")
+
+
+def _check_parts(t: LogicalTensor, fmt: SourceFormat) -> None:
+    """Every stored part of a quantized weight against the weight's shape, so that a scale that does not fit fails
+    here, naming it, and not as a shape error deep in a decode."""
+    def refuse(part: str, want) -> QuantizeError:
+        info = t.parts[part]
+        return QuantizeError(f"{info.path.name}: {info.name} is {info.dtype} {list(info.shape)} but its weight {t.name} "
+                             f"{list(t.shape)} needs {want}; the checkpoint is inconsistent")
+
+    main = t.main
+    if len(t.shape) != 2 or not all(1 <= d <= 2**31 for d in t.shape):
+        raise QuantizeError(f"{main.path.name}: quantized weight {t.name} has shape {list(t.shape)}; a quantized weight "
+                            "is a matrix [out, in]; the checkpoint is inconsistent")
+    out_f, in_f = t.shape
+    scale = t.parts.get("scale") or t.parts.get("weight_scale")
+    if t.encoding == "fp8-block":
+        grid = fp8.block_grid(t.shape, fmt.block or (128, 128))
+        if scale.shape != grid:
+            raise refuse("scale", f"{list(grid)} (blocks of {list(fmt.block or (128, 128))})")
+    elif t.encoding == "ct-fp8":
+        fits = {(), (1,), (out_f,), (out_f, 1)} | ({fp8.block_grid(t.shape, fmt.block)} if fmt.block else set())
+        if scale.shape not in fits:
+            raise refuse("scale", "one scale, one per row [out, 1]" + (" or one per block" if fmt.block else ""))
+    elif t.encoding == "ct-int4":
+        if main.dtype != "I32" or main.shape != (out_f, -(-in_f // 8)):
+            raise refuse("weight_packed", f"I32 {[out_f, -(-in_f // 8)]} (eight 4-bit codes an int32)")
+        groups = scale.shape[1] if len(scale.shape) == 2 else 0
+        if len(scale.shape) != 2 or scale.shape[0] != out_f or not groups or in_f % groups or (
+                fmt.group_size and in_f // groups != fmt.group_size):
+            g = fmt.group_size
+            raise refuse("weight_scale", f"[{out_f}, {in_f // g}] (group_size {g})" if g else f"[{out_f}, in / group_size]")
+        zp = t.parts.get("weight_zero_point")
+        if zp is not None and zp.shape != (-(-out_f // 8), groups):
+            raise refuse("weight_zero_point", [-(-out_f // 8), groups])
+    else:  # FP4: two codes a byte, a scale per group of 16 (NVFP4) or 32 (MXFP4), NVFP4's global scale
+        g = fmt.group_size or (16 if t.encoding == "ct-nvfp4" else 32)
+        if main.dtype != "U8":
+            raise refuse("weight_packed", f"U8 {list(main.shape)} (two 4-bit codes a byte)")
+        if in_f % g or scale.shape != (out_f, in_f // g):
+            raise refuse("weight_scale", f"[{out_f}, {in_f // g}] (a scale per {g})")
+        for part in ("weight_global_scale", "input_global_scale"):
+            if part in t.parts and math.prod(t.parts[part].shape) != 1:
+                raise refuse(part, "one value")
 
 
 def decode_parts(t: LogicalTensor, parts: dict[str, torch.Tensor], fmt: SourceFormat, dtype: torch.dtype) -> torch.Tensor:

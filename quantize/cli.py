@@ -24,7 +24,7 @@ from rich.text import Text
 
 from quantize import __version__, hub
 from quantize import recipe as recipes
-from quantize.destination import check_apart, prepare_check
+from quantize.destination import check_apart, hold, prepare_check
 from quantize.errors import QuantizeError
 from quantize.plan import size_label  # plan.py imports no torch: --help and usage errors stay fast
 
@@ -72,6 +72,11 @@ def fail(e: QuantizeError) -> None:
     sys.exit(e.exit_code)
 
 
+
+
+def _launcher_rank() -> int:
+    """This process's rank under torchrun (RANK with WORLD_SIZE > 1), else 0; read without importing torch."""
+    return int(os.environ.get("RANK", 0)) if int(os.environ.get("WORLD_SIZE", 1)) > 1 else 0
 
 
 def resolve_device(device: str) -> str:
@@ -135,8 +140,9 @@ def main() -> None:
       quantize verify out/kimi-int4 && quantize plan out/kimi-int4 --kv-dtype both
       quantize release moonshotai/Kimi-K2-Instruct --recipe recipes/kimi-k2-w4a16.yaml --repo-id me/K2-W4A16
 
-    Exit codes: 0 done, 1 the input or environment failed (message says what to do), 2 invalid request,
-    130 interrupted (Ctrl-C; a conversion keeps its finished shards: --resume continues).
+    Exit codes: 0 done, 1 the input or environment failed (message says what to do), 2 invalid request
+    (or an output another live job holds: it is named), 130 interrupted (Ctrl-C; a conversion keeps its
+    finished shards: --resume continues).
     """
 
 
@@ -325,8 +331,10 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--workers", default=lambda: min(8, _cores()), show_default="CPU cores, at most 8",
               type=click.IntRange(1, 64), help="Tensors converted at once (threads); memory grows with it.")
 @click.option("--tp", type=click.IntRange(1, 64), help="Refuse unless the output serves at this tensor-parallel size.")
-@click.option("--overwrite", is_flag=True, help="Replace OUT (and any interrupted OUT.partial).")
-@click.option("--resume", is_flag=True, help="Continue an interrupted conversion from OUT.partial.")
+@click.option("--overwrite", is_flag=True, help="Replace OUT (and any interrupted OUT.partial); never an output a live "
+              "job holds.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted conversion from OUT.partial (one a live job holds "
+              "is refused).")
 @click.option("--allow-nonfinite", is_flag=True,
               help="Convert a source whose weights hold NaN or Inf (refused by default): those values become 0 in what "
               "is quantized; kept tensors are copied as they are.")
@@ -367,7 +375,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
       quantize convert zai-org/GLM-4.6 out/glm-int4 --recipe recipes/glm-w4a16.yaml --resume
       quantize convert zai-org/GLM-5 out/glm5-int4 --recipe recipes/glm-w4a16.yaml --prefill-out out/glm5-fp8
     """
-    calibrated, ok, distributed, launch = None, False, None, None
+    calibrated, ok, distributed, launch, holds = None, False, None, None, []
     device_list = [d.strip() for d in devices.split(",")] if devices else []
     try:
         if device_list:
@@ -382,11 +390,17 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             raise click.UsageError("--kv-cache fp8 calibrates its scales: use --method gptq or awq with --calib")
         if r.method != "rtn" and not r.calibration.data:
             raise click.UsageError(f"--method {r.method} needs calibration data: --calib FILE or the recipe's calibration.data")
-        hub.check_local(src)  # a missing path fails here, before torch is imported
+        local = hub.check_local(src)  # a missing path fails here, before torch is imported
         out_path = Path(out_dir)
-        prepare_check(out_path, resume, overwrite)
-        if prefill_out:
-            prepare_check(Path(prefill_out), resume, overwrite)
+        outputs = {"OUT": out_path} | ({"--prefill-out": Path(prefill_out)} if prefill_out else {})
+        writes = _launcher_rank() == 0  # under torchrun, rank 0 holds and writes the outputs for every rank
+        if writes:
+            for o in outputs.values():
+                prepare_check(o, resume, overwrite)  # a held output is refused here, whatever the flags
+            if local is not None:  # held from now until the rename; the source first, as the lock file goes beside OUT
+                check_apart(local, outputs)
+                for o in outputs.values():
+                    holds.append(hold(o))
         from quantize import quiet, tensor_plan
         from quantize.checkpoint import Checkpoint
         from quantize.engine import distributed, stream
@@ -402,7 +416,11 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             _torchrun_rank(src, r, dev, offload, allow_nonfinite)
             return
         folder, info = hub.resolve(src)
-        check_apart(folder, {"OUT": out_path} | ({"--prefill-out": Path(prefill_out)} if prefill_out else {}))
+        check_apart(folder, outputs)
+        if writes and not holds:
+            for o in outputs.values():
+                holds.append(hold(o))
+                prepare_check(o, resume, overwrite)  # again: the download took time
         if len(device_list) > 1:  # the other ranks start now: their imports overlap the planning below
             from quantize.engine.layerwise import rank_job, run_rank
 
@@ -458,6 +476,8 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             launch.close()
         if distributed is not None and distributed.launched_by_torchrun():
             distributed.finish(None)
+        for h in holds:
+            h.release()
     report = {
         "out": str(result.out),
         "seconds": round(result.seconds, 3),

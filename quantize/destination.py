@@ -4,6 +4,7 @@ this module imports no torch, so a refusal costs no start-up time."""
 
 from pathlib import Path
 
+from quantize import lock
 from quantize.errors import UsageError
 from quantize.hub import snapshot_roots
 
@@ -16,9 +17,16 @@ def partial_dir(out: Path) -> Path:
     return out.with_name(out.name + ".partial")
 
 
+def hold(out: Path) -> lock.Hold:
+    """Hold OUT (its OUT.partial, and the rename to OUT) for this job, or raise lock.Held naming the job that does."""
+    return lock.hold(out, "being written", shown=partial_dir(out))
+
+
 def prepare_check(out: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse a destination that would lose work."""
+    """Refuse a destination that would lose work: one a live job writes (whatever the flags), an existing OUT
+    without --overwrite, an interrupted OUT.partial without --resume or --overwrite."""
     partial = partial_dir(out)
+    lock.check_free(out, "being written", shown=partial)
     if out.exists() and not overwrite:
         raise UsageError(f"{out} already exists; pass --overwrite to replace it")
     if partial.exists() and not (resume or overwrite):

@@ -1,5 +1,6 @@
 """Resolve SRC (a Hub repo id `org/name[@revision]` or a local folder) to a local snapshot folder."""
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -118,14 +119,14 @@ def check_blobs(folder: Path) -> int:
     In the HF cache a snapshot's files link to `blobs/<etag>`, and the etag of an LFS file (every weight
     shard) is its sha256: the Hub's own checksum, kept without asking the network again. Returns the number
     of files checked; a mismatch is an error naming the file."""
-    from quantize.writer import sha256_file
-
     n = 0
     for p in sorted(folder.rglob("*")):
         etag = hub_sha256(p) if p.is_file() else None
         if etag is None:
             continue
-        if sha256_file(p) != etag:
+        with open(p, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()  # streamed through a small buffer
+        if digest != etag:
             raise QuantizeError(f"{p.relative_to(folder)}: its sha256 differs from the Hub's ({etag[:12]}...); the "
                                 f"download is corrupt: delete {p.resolve()} and run `quantize download` again")
         n += 1
@@ -149,9 +150,36 @@ def hub_sha256(path: Path) -> str | None:
     return etag if len(etag) == 64 and all(c in "0123456789abcdef" for c in etag) else None
 
 
-def upload_release(repo_id: str, files: list[dict], message: str, description: str, *, private: bool, tag: str | None) -> dict:
-    """Create the repo if needed and commit every file (`path_in_repo`, `local`) in one commit; tag it when
-    asked. LFS blobs the Hub already has are not sent again, so a rerun after a broken upload resumes."""
+def release_target(repo_id: str, tag: str | None) -> str | None:
+    """The commit the repo's main points to now (None for a repo not created yet), read before hours of work; the
+    release commits on top of exactly this one (upload_release). A --revision-tag that already exists is refused
+    here: a tag names one release, and moving it would change what a pinned deployment loads."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        refs = HfApi().list_repo_refs(repo_id)
+    except RepositoryNotFoundError:
+        return None
+    except (HfHubHTTPError, OSError) as e:
+        raise QuantizeError(f"cannot read the refs of {repo_id} on the Hub: {str(e).splitlines()[0]}") from e
+    taken = next((t for t in refs.tags if t.name == tag), None) if tag else None
+    if taken is not None:
+        raise UsageError(f"--revision-tag {tag} already exists on {repo_id} (commit {taken.target_commit[:12]}); a tag "
+                         "names one release: choose another tag")
+    return next((b.target_commit for b in refs.branches if b.name == "main"), None)
+
+
+def _status(e: Exception) -> int | None:
+    response = getattr(e, "response", None)
+    return getattr(response, "status_code", None)
+
+
+def upload_release(repo_id: str, files: list[dict], message: str, description: str, *, private: bool, tag: str | None,
+                   parent: str | None = None) -> dict:
+    """Create the repo if needed and commit every file (`path_in_repo`, `local`) in one commit on top of `parent`
+    (release_target's commit: if another release pushed since, the Hub refuses the commit and nothing changes);
+    tag it when asked. LFS blobs the Hub already has are not sent again, so a rerun after a broken upload resumes."""
     from huggingface_hub import CommitOperationAdd, HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -160,15 +188,24 @@ def upload_release(repo_id: str, files: list[dict], message: str, description: s
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
         ops = [CommitOperationAdd(path_in_repo=f["path_in_repo"], path_or_fileobj=f["local"]) for f in files]
         info = api.create_commit(repo_id, operations=ops, commit_message=message, commit_description=description,
-                                 repo_type="model")
-        out = {"url": str(info.commit_url), "oid": info.oid}
-        if tag:
-            api.create_tag(repo_id, tag=tag, revision=info.oid, tag_message=message, exist_ok=True)
-            out["tag"] = tag
-        return out
+                                 repo_type="model", parent_commit=parent)
     except (HfHubHTTPError, ValueError, OSError) as e:  # ValueError: the Hub rejected the card's metadata
+        if _status(e) == 412:
+            raise QuantizeError(f"{repo_id} changed while this release ran (main is no longer {parent[:12]}: another "
+                                "release pushed to it); nothing was committed: rerun to release on top of it, or "
+                                "publish to another --repo-id") from e
         raise QuantizeError(f"upload to {repo_id} failed: {str(e).splitlines()[0]}; rerun the release to resume "
                             "(files the Hub already has are not sent again)") from e
+    out = {"url": str(info.commit_url), "oid": info.oid}
+    if tag:
+        try:
+            api.create_tag(repo_id, tag=tag, revision=info.oid, tag_message=message)
+        except HfHubHTTPError as e:
+            why = ("another run created it while this one ran" if _status(e) == 409 else str(e).splitlines()[0])
+            raise QuantizeError(f"the release is committed ({info.commit_url}) but tag {tag} was not set: {why}; "
+                                f"tag {info.oid[:12]} by hand if it is the release to name") from e
+        out["tag"] = tag
+    return out
 
 
 def check_token() -> None:

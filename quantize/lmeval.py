@@ -16,6 +16,7 @@ import os
 import time
 from pathlib import Path
 
+from quantize import cache_root
 from quantize.errors import QuantizeError, UsageError
 from quantize.writer import MANIFEST_NAME, sha256_file
 
@@ -257,7 +258,7 @@ def merge(parts: list[dict]) -> dict:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("QUANTIZE_CACHE", Path.home() / ".cache" / "quantize")) / "eval"
+    return cache_root() / "eval"
 
 
 def eval_dtype(folder: Path, backend: str, device: str, request: str = "auto") -> str:

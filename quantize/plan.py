@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from quantize import arch
 from quantize.arch import Role
+from quantize.arch.layout import from_config
+from quantize.serving import REPLICATED
 
 GIB = 2**30
 
@@ -69,10 +71,6 @@ def kv_per_token(cfg: dict, kv_bytes: int, tp: int = 1, mtp_layers: int = 0) -> 
     per_rank = max(1, kv_heads // tp)
     detail = f"{per_rank} KV heads/rank x ({head_dim} + {v_head_dim}) x {layers} layers x {kv_bytes} B"
     return KV("gqa", layers, per_rank * (head_dim + v_head_dim) * layers * kv_bytes, detail)
-
-
-# tensors SGLang and vLLM keep whole on every TP rank: MLA down-projections, the DSA indexer, MTP's eh_proj, router
-REPLICATED = re.compile(r"(q_a_proj|kv_a_proj_with_mqa|\.indexer\.|eh_proj|mlp\.gate\.)")
 
 
 def rank_divisor(w: Weight, cfg: dict, tp: int) -> int:
@@ -162,50 +160,6 @@ def _ignored(patterns: list[str], module: str) -> bool:
     from quantize.recipe import matches
 
     return any(matches(p, module) for p in patterns)
-
-
-def layout_from_config(cfg: dict) -> tuple[arch.Model, list[tuple[str, tuple[int, ...]]]]:
-    """Every weight tensor (name, shape) a checkpoint of this config holds, as the checkpoint names them:
-    transformers' model class built on the meta device (no memory), fused experts split per expert, MTP layers
-    (a decoder layer plus eh_proj and its norms, and its own embedding and head where the family stores them)
-    added as DeepSeek-style checkpoints store them."""
-    import torch
-
-    text_cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) and "num_hidden_layers" not in cfg \
-        else cfg
-    model = arch.resolve(cfg, ["model.layers.0.x"])
-    model = arch.Model(model.arch, model.model_type, text_cfg, "")
-    hf_config = model.transformers_config(torch.bfloat16)
-    with torch.device("meta"):
-        skeleton = model.causal_lm_class()._from_config(hf_config, dtype=torch.bfloat16)
-    out: list[tuple[str, tuple[int, ...]]] = []
-    persistent = [(f"{m}.{b}" if m else b, t) for m, mod in skeleton.named_modules() for b, t in mod._buffers.items()
-                  if t is not None and b not in mod._non_persistent_buffers_set]  # e.g. the router's score bias
-    for name, p in [*skeleton.named_parameters(), *persistent]:
-        shape = tuple(p.shape)
-        if name.endswith("experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            for e in range(shape[0]):
-                half = (shape[1] // 2, shape[2])
-                out += [(f"{base}{e}.gate_proj.weight", half), (f"{base}{e}.up_proj.weight", half)]
-        elif name.endswith("experts.down_proj"):
-            base = name[: -len("down_proj")]
-            out += [(f"{base}{e}.down_proj.weight", shape[1:]) for e in range(shape[0])]
-        else:
-            out.append((name, shape))
-    n, hidden = model.num_hidden_layers, model.hidden_size
-    last = f"model.layers.{n - 1}."
-    for k in range(model.num_mtp_layers):
-        mtp = f"model.layers.{n + k}."
-        out += [(mtp + name[len(last):], shape) for name, shape in out if name.startswith(last)]
-        out += [(mtp + "eh_proj.weight", (hidden, 2 * hidden)), (mtp + "enorm.weight", (hidden,)),
-                (mtp + "hnorm.weight", (hidden,)), (mtp + "shared_head.norm.weight", (hidden,))]
-        if model.arch.family != "glm_moe_dsa":
-            # DeepSeek-V3 (model.layers.61: 1.73 GB of head alone) and GLM-4.5 store the MTP layer's own copies of
-            # the embedding and the output head; GLM-5's MTP layer shares the model's
-            vocab = int(text_cfg["vocab_size"])
-            out += [(mtp + "embed_tokens.weight", (vocab, hidden)), (mtp + "shared_head.head.weight", (vocab, hidden))]
-    return model, out
 
 
 def weights_of(model: arch.Model, layout: list[tuple[str, tuple[int, ...]]], nbytes) -> list[Weight]:
@@ -437,7 +391,7 @@ def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None, disaggregate
         if not cfg_path.is_file():
             raise UsageError(f"{path} is neither a checkpoint folder nor a config.json")
         full = json.loads(cfg_path.read_text())
-        model, layout = layout_from_config(full)
+        model, layout = from_config(full)
         cfg = model.text_config
         source = weights_of(model, layout, source_format_bytes(cfg))
 
@@ -465,7 +419,7 @@ def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None, disaggregate
         rows += [(_label(r), under(r)) for r in (recipe if isinstance(recipe, list) else [recipe])]
     scenarios = [scenario(label, w, cfg, kv, setup, model.num_mtp_layers) for kv in kv_dtypes for label, w in rows]
     if layout is None and (is_glm5(cfg) or is_kimi_k2(cfg)):
-        _, layout = layout_from_config(cfg)
+        _, layout = from_config(cfg)
     all_int4 = rec_int4 = None
     if is_glm5(cfg) and layout is not None:
         glm = recipes.from_dict(GLM_EXPERTS_G32, "built-in GLM release scheme")

@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from quantize import cache_root, lock
 from quantize.errors import QuantizeError, UsageError
 from quantize.plan import size_label
 from quantize.writer import MANIFEST_NAME
@@ -280,6 +281,8 @@ def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) 
 
     report = Report(src=o.src, repo_id=o.repo_id, recipe=str(o.recipe_path), work_dir=str(o.work_dir), dry_run=o.dry_run)
     files: list[dict] = []
+    holds: list[lock.Hold] = []
+    parent = None
     try:
         if not hub.REPO_ID.match(o.repo_id) or "@" in o.repo_id:
             raise UsageError(f"--repo-id {o.repo_id!r}: expected ORG/NAME")
@@ -291,6 +294,13 @@ def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) 
         gate.load_gate(o.gate_path, list(o.tasks))  # a bad gate file fails now, not after the conversion
         folder, _ = hub.resolve(o.src)
         check_apart(folder, {"--work-dir": o.work_dir})
+        # one release per work dir and per Hub repo on this machine; across machines the Hub itself refuses a
+        # commit whose parent is no longer main (hub.upload_release)
+        holds.append(lock.hold(o.work_dir, "used by a release"))
+        if not o.dry_run:
+            holds.append(lock.hold(cache_root() / "releases" / o.repo_id.replace("/", "--"), "being released",
+                                   shown=Path(o.repo_id)))
+            parent = hub.release_target(o.repo_id, o.tag)
         ckpt = Checkpoint(folder)
         planned = tensor_plan.build(ckpt, r, o.max_shard_size, device=o.device)  # a recipe that cannot apply fails now
         model_dir = o.work_dir / MODEL_DIR
@@ -356,13 +366,16 @@ def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) 
             step.done("dry-run", commit_message=message, tag=o.tag)
         else:
             report.commit = hub.upload_release(o.repo_id, files, message, f"Report: {REPORT_MD} of the release job.",
-                                               private=o.private, tag=o.tag)
+                                               private=o.private, tag=o.tag, parent=parent)
             step.done("done", commit=report.commit)
         return _finish(report, o.work_dir, EXIT_RELEASED), files
-    except Overlap as e:  # the work dir would be written into the source: not even the report goes there
+    except (Overlap, lock.Held) as e:  # the work dir is the source's, or another live job's: no report goes there
         return _finish(report, None, EXIT_ERROR, str(e)), files
     except QuantizeError as e:
         return _finish(report, o.work_dir, EXIT_ERROR, str(e)), files
+    finally:
+        for h in holds:
+            h.release()
 
 
 def _finish(report: Report, work_dir: Path | None, code: int, error: str | None = None) -> Report:

@@ -13,6 +13,8 @@ MTP_FLAG = {VLLM: "--speculative-config '{\"method\": \"mtp\", \"num_speculative
             SGLANG: "--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-eagle-topk 1 "
                     "--speculative-num-draft-tokens 4"}
 NO_SHARED_FUSION = "--disable-shared-experts-fusion"
+# tensors SGLang and vLLM keep whole on every TP rank: MLA down-projections, the DSA indexer, MTP's eh_proj, router
+REPLICATED = re.compile(r"(q_a_proj|kv_a_proj_with_mqa|\.indexer\.|eh_proj|mlp\.gate\.)")
 # SGLang builds RadixAttention with the quant config (so it loads KV scales) in these GQA models only
 SGLANG_GQA_KV_SCALES = ("llama", "qwen2")
 

@@ -11,9 +11,9 @@ import psutil
 import torch
 
 from quantize import arch, serving
+from quantize.arch import layout
 from quantize.checkpoint import FP4_FORMATS, Checkpoint, LogicalTensor
 from quantize.errors import QuantizeError, UsageError
-from quantize.plan import REPLICATED
 from quantize.quant import fp8
 from quantize.recipe import Recipe
 from quantize.safetensors_file import DTYPE_NAMES, TensorSpec
@@ -157,7 +157,7 @@ def fp8_block_tp_ok(model: arch.Model, entries: list[Entry], tp: int, block: int
     if tp == 1:
         return True
     for e in entries:
-        if e.action not in ("quantize", "passthrough") or REPLICATED.search(e.tensor.name):
+        if e.action not in ("quantize", "passthrough") or serving.REPLICATED.search(e.tensor.name):
             continue
         if e.role.kind == "expert":
             inter = model.moe_intermediate_size
@@ -188,7 +188,7 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
           device: str = "cpu") -> Plan:
     """Decide every tensor's fate and the output shards; raise before anything is written if it cannot work."""
     model = arch.resolve(ckpt.config, list(ckpt.tensors))
-    arch.check_against_tensors(model, {n: t.shape for n, t in ckpt.tensors.items()})
+    layout.check(model, {n: t.shape for n, t in ckpt.tensors.items()}, {n: t.main.path.name for n, t in ckpt.tensors.items()})
     dtype = DTYPE_NAMES[ckpt.dtype]
     g = recipe.scheme.group_size
     entries: list[Entry] = []

@@ -137,6 +137,7 @@ def test_group_size_that_does_not_divide_is_a_usage_error(tmp_path):
         tensors[p + "up_proj.weight"] = tensors[p + "up_proj.weight"][:480].contiguous()
         tensors[p + "down_proj.weight"] = tensors[p + "down_proj.weight"][:, :480].contiguous()
     save_file(tensors, shard)
+    (src / "config.json").write_text(json.dumps(cfg | {"intermediate_size": 480}))
     out = tmp_path / "out"
     code, err = run_cli("convert", src, out, "--scheme", "w4a16", "--group-size", "128")
     assert_fails(code, err, 2, "group_size 128", "down_proj", "480")

@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from quantize.arch.layout import from_config
 from quantize.quant import fp4
 
 
@@ -192,7 +193,7 @@ def test_plan_sizes_of_fp4_are_the_bytes_convert_writes(kind, scheme, fixtures_d
     built = build(Checkpoint(fixtures_dir / kind), r, 2**30)
     stream.run(built, tmp_path / "out")
     written = sum(t.numel() * t.element_size() for t in read_all(tmp_path / "out").values())
-    model, layout = plan.layout_from_config(json.loads((fixtures_dir / kind / "config.json").read_text()))
+    model, layout = from_config(json.loads((fixtures_dir / kind / "config.json").read_text()))
     arithmetic = plan.weights_of(model, layout, plan.recipe_bytes(r, model.arch.family))
     assert sum(w.nbytes for w in arithmetic) == built.out_bytes == written
 

@@ -12,6 +12,7 @@ from conftest import read_all
 from test_gptq import calibration_samples, correlated_inputs
 
 from quantize import calib, recipe
+from quantize.arch.layout import from_config
 from quantize.checkpoint import Checkpoint
 from quantize.engine import stream
 from quantize.engine.layerwise import Calibrated
@@ -200,7 +201,7 @@ def test_nvfp4_w4a4_is_llm_compressors_layout_with_its_activation_scales(fixture
             assert 0.9 < float(ours[k] / ref[k]) < 1.1, (k, ours[k], ref[k])
     (group,), (ref_group,) = (config_of(d)["quantization_config"]["config_groups"].values() for d in (out, tmp_path / "llmc"))
     assert group["input_activations"] == ref_group["input_activations"] and group["format"] == ref_group["format"]
-    model, layout = planner.layout_from_config(json.loads((src / "config.json").read_text()))
+    model, layout = from_config(json.loads((src / "config.json").read_text()))
     arithmetic = planner.weights_of(model, layout, planner.recipe_bytes(recipe.preset("nvfp4", 128, method="gptq"),
                                                                             model.arch.family))
     assert sum(w.nbytes for w in arithmetic) == sum(t.numel() * t.element_size() for t in ours.values())

@@ -19,6 +19,7 @@ from conftest import RECIPES, config_of, dies_on_call, read_all
 from test_gptq import calibration_samples
 
 from quantize import calib, plan, recipe
+from quantize.arch.layout import from_config
 from quantize.checkpoint import Checkpoint
 from quantize.cli import main
 from quantize.engine import stream
@@ -183,7 +184,7 @@ def test_a_fp8_block_source_passes_through_and_plan_counts_its_bytes(fixtures_di
     stream.run(again, tmp_path / "b")
     a, b = read_all(tmp_path / "a"), read_all(tmp_path / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
-    model, layout = plan.layout_from_config(json.loads((fixtures_dir / "glm5-bf16" / "config.json").read_text()))
+    model, layout = from_config(json.loads((fixtures_dir / "glm5-bf16" / "config.json").read_text()))
     arithmetic = plan.weights_of(model, layout, plan.recipe_bytes(recipe.preset("fp8-block", 128), model.arch.family))
     assert sum(w.nbytes for w in arithmetic) == first.out_bytes
 

@@ -91,3 +91,94 @@ def test_index_files(model_dir, weight_map, keep_real):
         checked(lambda: Checkpoint(model_dir))
     finally:
         index.write_text(json.dumps(real))
+
+
+# ---- config.json ----------------------------------------------------------------------------------------------
+
+DELETE = object()
+config_value = st.one_of(
+    st.none(), st.booleans(), st.sampled_from([-1, 0, 1, 2, 3, 7, 8, 64, 127, 128, 256, 512, 4096, 2**31, 2**63, -(2**40)]),
+    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=6),
+    st.sampled_from(["bfloat16", "float16", "float32", "float8_e4m3fn", "llama", "deepseek_v3", "kimi_k2", "glm4_moe"]),
+    st.lists(st.integers(-2, 300), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(-1, 9), max_size=2),
+)
+# a quantization_config that lies: formats the tensors are not in, malformed blocks and groups
+lying_quantization = st.one_of(
+    st.fixed_dictionaries({"quant_method": st.sampled_from(["fp8", "compressed-tensors", "gptq", "awq", None, 3]),
+                           "weight_block_size": st.one_of(st.none(), st.lists(st.integers(-1, 300), max_size=3))}),
+    st.fixed_dictionaries({"quant_method": st.just("compressed-tensors"),
+                           "format": st.sampled_from(["float-quantized", "pack-quantized", "nvfp4-pack-quantized",
+                                                      "mxfp4-pack-quantized", "dense", "x"]),
+                           "config_groups": st.one_of(config_value, st.fixed_dictionaries({"group_0": st.fixed_dictionaries({
+                               "weights": st.fixed_dictionaries({"num_bits": st.sampled_from([4, 8, 0, "4"]),
+                                                                 "group_size": config_value,
+                                                                 "symmetric": config_value,
+                                                                 "block_structure": config_value})})})),
+                           "ignore": st.one_of(st.lists(st.text(max_size=8), max_size=2), config_value)}),
+    config_value,
+)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, fixtures_dir):
+    """A private copy of a MoE FP8 (Kimi) and a dense BF16 (Llama) fixture whose config.json each example rewrites."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("configs")
+    out = {}
+    for kind, recipe_name in (("kimi-k2-fp8", "kimi-k2-w4a16"), ("llama-bf16", "dense-w4a16")):
+        shutil.copytree(fixtures_dir / kind, root / kind)
+        out[kind] = (root / kind, json.loads((root / kind / "config.json").read_text()), recipe_name)
+    return out
+
+
+@fast(5000)
+@given(kind=st.sampled_from(["kimi-k2-fp8", "llama-bf16"]), data=st.data())
+def test_config_variants_fail_cleanly_or_convert_to_an_output_that_verifies(sources, tmp_path, kind, data):
+    """5,000 config.json variants (wrong types, signs, huge and zero sizes, missing and extra keys, a lying
+    quantization_config) over real checkpoints: a one-line QuantizeError, or an output that verifies and whose
+    config agrees with its own tensors. An output is converted once per distinct plan (the tensors written and the
+    quantization_config) and set of edited fields: variants that differ only in the values of fields no tensor
+    depends on share it."""
+    import shutil
+
+    from conftest import RECIPES
+
+    from quantize import recipe
+    from quantize.engine import stream
+    from quantize.tensor_plan import build
+    from quantize.verify import verify
+
+    src, real, recipe_name = sources[kind]
+    keys = sorted(real) + ["quantization_config", "text_config", "extra_key"]
+    edits = data.draw(st.lists(st.tuples(st.sampled_from(keys), st.one_of(st.just(DELETE), config_value,
+                                                                       lying_quantization)), min_size=1, max_size=3))
+    cfg = dict(real)
+    for k, v in edits:
+        if v is DELETE:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    doc = cfg if data.draw(st.integers(0, 49)) else data.draw(config_value)  # now and then not an object at all
+    (src / "config.json").write_text(json.dumps(doc))
+    r = recipe.load(RECIPES / f"{recipe_name}.yaml")
+    out = tmp_path / "out"
+    try:
+        try:
+            plan = build(Checkpoint(src), r, 2**30)
+            key = json.dumps([[e.tensor.name, e.action, [[s.name, s.dtype, list(s.shape)] for s in e.outputs]]
+                              for e in plan.entries] + [plan.quantization_config(), str(plan.ckpt.dtype),
+                                                        sorted({k for k, _ in edits})])
+            seen = test_config_variants_fail_cleanly_or_convert_to_an_output_that_verifies.__dict__.setdefault("seen", set())
+            if key in seen:
+                return
+            seen.add(key)
+            stream.run(plan, out)
+        except QuantizeError as e:
+            assert "\n" not in str(e) and str(e)
+            return
+        assert verify(out).clean
+        build(Checkpoint(out), r, 2**30)  # the output's config agrees with the output's tensors
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+        (src / "config.json").write_text(json.dumps(real))

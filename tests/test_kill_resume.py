@@ -1,5 +1,6 @@
 """SIGKILL a real `quantize convert` at several points, then `--resume`: the output is byte-identical to an
-uninterrupted run, in the streaming (RTN) and the layerwise (GPTQ) engine."""
+uninterrupted run, in the streaming (RTN) and the layerwise (GPTQ) engine. The killed job's hold on its output
+dies with it: the resume starts at once, past the record the killed job left."""
 
 import json
 import os
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import RECIPES
 from test_gptq import calibration_samples
+
+from quantize import lock
 
 
 def files_of(folder: Path) -> dict[str, bytes]:
@@ -93,10 +96,11 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_bytes(engine, fixt
             continue  # finished before reaching the point: nothing to resume
         killed += 1
         assert not out.exists(), label
+        assert lock.lock_path(out).exists()  # the killed job's record stays; its flock died with it
         saved = next_layer(partial)
         report = run([*base, str(out), *opts, "--resume", "--json"])
         assert files_of(out) == want, label
-        assert not partial.exists()
+        assert not partial.exists() and not lock.lock_path(out).exists()
         if engine == "gptq":  # the resume took every checkpointed layer instead of calibrating it again
             assert report["calibration"]["resumed_layers"] == saved, label
             from_checkpoint += saved > 0

@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from conftest import RECIPES
 
 from quantize import plan, recipe
+from quantize.arch.layout import from_config
 from quantize.checkpoint import Checkpoint
 from quantize.cli import main
 
@@ -76,7 +77,7 @@ def test_config_layout_is_the_checkpoints_own(fixtures_dir):
     """The shapes laid out from config.json alone are exactly the tensors of a real checkpoint of that config,
     and its FP8 block format gives each tensor's stored bytes, scales included."""
     ckpt = Checkpoint(fixtures_dir / "kimi-k2-fp8")
-    model, layout = plan.layout_from_config(ckpt.config)
+    model, layout = from_config(ckpt.config)
     shapes = dict(layout)
     stored = {n: t for n, t in ckpt.tensors.items()}
     # DeepSeek-style MTP layers also carry copies of the embedding and the head, which servers do not load

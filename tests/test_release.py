@@ -5,6 +5,7 @@ ARC data, the model card, and the upload through huggingface_hub itself, whose H
 import base64
 import json
 import shutil
+from pathlib import Path
 
 import httpx
 import pytest
@@ -34,6 +35,8 @@ class FakeHub:
         self.repos: list[dict] = []
         self.auth: set[str] = set()
         self.validated: list[dict] = []
+        self.head: str | None = None  # main's commit; None until the repo is created
+        self.tag_refs: dict[str, str] = {}
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -42,7 +45,14 @@ class FakeHub:
             self.auth.add(request.headers["authorization"])
         if request.method == "POST" and path == "/api/repos/create":
             self.repos.append(json.loads(request.content))
+            self.head = self.head or "1" * 40  # the Hub's first commit (.gitattributes)
             return httpx.Response(200, json={"url": f"https://huggingface.co/{REPO}", "name": REPO})
+        if request.method == "GET" and path == f"/api/models/{REPO}/refs":
+            if self.head is None:
+                return httpx.Response(404, headers={"X-Error-Code": "RepoNotFound"}, json={"error": "no such repo"})
+            ref = [{"name": "main", "ref": "refs/heads/main", "targetCommit": self.head}]
+            tags = [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": c} for t, c in self.tag_refs.items()]
+            return httpx.Response(200, json={"branches": ref, "converts": [], "tags": tags})
         if request.method == "POST" and path == "/api/validate-yaml":  # the README's front matter, before commit
             meta = yaml.safe_load(json.loads(request.content)["content"].split("---")[1])
             self.validated.append(meta)
@@ -63,18 +73,26 @@ class FakeHub:
             return httpx.Response(200)
         if request.method == "POST" and path == f"/api/models/{REPO}/commit/main":
             lines = [json.loads(x) for x in request.read().decode().splitlines() if x.strip()]
+            parent = next(x["value"] for x in lines if x["key"] == "header").get("parentCommit")
+            if parent is not None and parent != self.head:  # what the Hub answers a commit on a stale parent
+                return httpx.Response(412, json={"error": "A commit has happened since. Please refresh and try again."})
             self.commits.append({"lines": lines})
+            self.head = "abc123" + "0" * 34
             return httpx.Response(200, json={"commitUrl": f"https://huggingface.co/{REPO}/commit/abc123",
                                              "commitOid": "abc123" + "0" * 34})
         if request.method == "POST" and path == f"/api/models/{REPO}/tag/{'abc123' + '0' * 34}":
-            self.tags.append(json.loads(request.content))
+            tag = json.loads(request.content)
+            if tag["tag"] in self.tag_refs:
+                return httpx.Response(409, json={"error": f"Tag {tag['tag']} already exists"})
+            self.tags.append(tag)
+            self.tag_refs[tag["tag"]] = self.head
             return httpx.Response(200, json={})
         return httpx.Response(404, json={"error": f"fake hub: no route {request.method} {path}"})
 
     def writes(self) -> list[tuple[str, str]]:
-        """Requests to the Hub's API or LFS (the eval's `datasets` library also asks the Hub, read-only, for
-        its json loader: those reach this transport too and get a 404, as offline)."""
-        return [r for r in self.requests if r[1].startswith(("/api/", f"/{REPO}")) or r[0] == "PUT"]
+        """Requests that change the Hub's API or LFS (the release reads the repo's refs first; the eval's `datasets`
+        library also asks the Hub, read-only, for its json loader: those reach this transport too and get a 404)."""
+        return [r for r in self.requests if r[0] != "GET" and (r[1].startswith(("/api/", f"/{REPO}")) or r[0] == "PUT")]
 
     def committed(self) -> dict[str, bytes]:
         """path -> bytes of the last commit, LFS files taken from what was PUT."""
@@ -210,6 +228,65 @@ def test_release_dry_run_resumes_a_broken_conversion_and_errors(hub, source, tmp
     refused = CliRunner().invoke(main, release_args(source, tmp_path, lenient, "--max-shard-size", "300KB"))
     assert refused.exit_code == 2 and "upload to acme/tiny-llama-w4a16 failed" in refused.output
     assert hub.tags == [] and TOKEN not in refused.output
+
+
+def _held_by_another_process(folder: Path, doing: str):
+    """A child process that holds folder as a live job would, until killed."""
+    import subprocess
+    import sys
+
+    code = (f"from pathlib import Path; from quantize import lock; lock.hold(Path({str(folder)!r}), {doing!r}); "
+            "print('held', flush=True); input()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+def test_two_releases_into_one_work_dir_or_one_repo_are_refused(hub, source, tmp_path):
+    """A second release sharing the first's work dir, or (on this machine) its Hub repo, is refused at once (exit
+    2), naming the live one; it writes no report into the other's work dir and sends nothing to the Hub."""
+    from quantize import cache_root
+
+    lenient = gate_file(tmp_path, "lenient", {"max_drop": 100, "min_recovery": 0})
+    work = tmp_path / "work"
+    for folder, doing, extra, shown in ((work, "used by a release", ["--dry-run"], str(work)),
+                                        (cache_root() / "releases" / REPO.replace("/", "--"), "being released", [], REPO)):
+        child = _held_by_another_process(folder, doing)
+        try:
+            r = CliRunner().invoke(main, release_args(source, tmp_path, lenient, *extra))
+        finally:
+            child.kill()
+            child.wait()
+        assert r.exit_code == 2, r.output
+        assert f"{shown} is {doing} by PID {child.pid}" in r.stderr and "wait for it or stop it" in r.stderr, r.stderr
+        assert not (work / release.REPORT_JSON).exists() and not (work / release.MODEL_DIR).exists()
+        assert hub.writes() == []
+
+
+def test_a_tag_that_exists_is_refused_up_front_and_a_repo_that_moved_refuses_the_commit(hub, source, tmp_path):
+    """Two CI runs pushing one --revision-tag: the later is refused before converting (a tag names one release).
+    Two runs on different machines pushing one repo: the Hub refuses the commit whose parent is no longer main
+    (412), so nothing of the later run lands on top of the other's files unseen."""
+    lenient = gate_file(tmp_path, "lenient", {"max_drop": 100, "min_recovery": 0})
+    hub.head, hub.tag_refs = "2" * 40, {"v1": "2" * 40}
+    r = CliRunner().invoke(main, release_args(source, tmp_path, lenient, "--revision-tag", "v1"))
+    assert r.exit_code == 2, r.output
+    assert "--revision-tag v1 already exists on acme/tiny-llama-w4a16 (commit 222222222222)" in r.stderr
+    assert not (tmp_path / "work" / release.MODEL_DIR).exists()  # refused before any work
+
+    def another_push_meanwhile(request):
+        if "/preupload/" in request.url.path:
+            hub.head = "3" * 40
+        return FakeHub.__call__(hub, request)
+
+    _http.set_client_factory(lambda: httpx.Client(transport=httpx.MockTransport(another_push_meanwhile),
+                                                  follow_redirects=True))
+    r = CliRunner().invoke(main, release_args(source, tmp_path, lenient, "--revision-tag", "v2"))
+    assert r.exit_code == 2, r.output
+    assert "changed while this release ran (main is no longer 222222222222" in r.stderr
+    assert hub.commits == [] and hub.tags == []
+    doc = json.loads((tmp_path / "work" / release.REPORT_JSON).read_text())
+    assert doc["steps"][-1]["name"] == "upload" and doc["steps"][-1]["status"] == "failed"
 
 
 def test_base_model_is_the_repo_id_or_the_hf_cache_snapshots_repo():

@@ -12,6 +12,7 @@ from compressed_tensors.utils.match import match_name
 from conftest import RECIPES, ROOT, config_of, read_all
 
 from quantize import recipe, release, serving
+from quantize.arch.layout import from_config
 from quantize.checkpoint import Checkpoint
 from quantize.cli import main
 from quantize.tensor_plan import build
@@ -65,7 +66,7 @@ def test_plan_bytes_follow_the_indexer_rule(fixtures_dir):
 
     src = fixtures_dir / "glm5-bf16"
     built = build(Checkpoint(src), recipe.preset("w4a16", 64), 2**30)
-    model, layout = plan.layout_from_config(json.loads((src / "config.json").read_text()))
+    model, layout = from_config(json.loads((src / "config.json").read_text()))
     arithmetic = plan.weights_of(model, layout, plan.recipe_bytes(recipe.preset("w4a16", 64), model.arch.family))
     assert sum(w.nbytes for w in arithmetic) == built.out_bytes
 

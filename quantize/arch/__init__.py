@@ -157,32 +157,6 @@ def resolve(config: dict, tensor_names: list[str]) -> Model:
             f"unknown architecture: model_type {config.get('model_type')!r} "
             f"(architectures {config.get('architectures')}); supported: {', '.join(supported_model_types())}"
         )
-    if "num_hidden_layers" not in text_config or "hidden_size" not in text_config:
+    if text_config.get("num_hidden_layers") is None or text_config.get("hidden_size") is None:
         raise QuantizeError("config.json lacks num_hidden_layers or hidden_size; the checkpoint is incomplete")
     return Model(arch, model_type, text_config, _prefix(tensor_names))
-
-
-def check_against_tensors(model: Model, shapes: dict[str, tuple[int, ...]]) -> None:
-    """Refuse a config whose layer or expert count disagrees with the tensors actually stored."""
-    layers, experts = set(), set()
-    for name, shape in shapes.items():
-        r = model.role(name, len(shape))
-        if r.layer is not None:
-            layers.add(r.layer)
-        if r.expert is not None:
-            experts.add(r.expert)
-    n, mtp = model.num_hidden_layers, model.num_mtp_layers
-    decoder = {i for i in layers if i < n}
-    if decoder != set(range(n)):
-        missing = sorted(set(range(n)) - decoder)
-        raise QuantizeError(
-            f"config.json says num_hidden_layers={n} but the weights hold layers "
-            f"{min(layers, default=None)}..{max(layers, default=None)}"
-            + (f" with {missing[:5]} missing" if missing else "")
-        )
-    extra = sorted(i for i in layers if i >= n)
-    if extra and max(extra) >= n + max(mtp, 1):
-        raise QuantizeError(f"the weights hold layer {max(extra)} beyond num_hidden_layers={n} + {mtp} MTP layers")
-    n_exp = model.n_routed_experts
-    if experts and n_exp is not None and max(experts) >= n_exp:
-        raise QuantizeError(f"config.json says {n_exp} routed experts but the weights hold expert {max(experts)}")

@@ -18,7 +18,7 @@ import torch
 
 from quantize import __version__, compute
 from quantize.checkpoint import INDEX_NAME
-from quantize.destination import check_apart, partial_dir, prepare_check
+from quantize.destination import check_apart, hold, partial_dir, prepare_check
 from quantize.engine.layer_state import CALIB_DIR
 from quantize.engine.ordered import in_order
 from quantize.engine.state import STATE_NAME, State, fingerprint_parts
@@ -286,8 +286,19 @@ def run(
 
     `prefill=(plan2, out2)`: also write a second output (the FP8 prefill variant of a disaggregated pair) in the
     same pass; the two plans come from tensor_plan.pair, so shard i of both holds the same source tensors."""
-    t0 = time.perf_counter()
     check_apart(plan.ckpt.root, {"OUT": Path(out)} | ({"--prefill-out": Path(prefill[1])} if prefill else {}))
+    holds = []
+    try:  # from before the first write until the rename: a second job into the same output is refused
+        for o in [Path(out)] + ([Path(prefill[1])] if prefill else []):
+            holds.append(hold(o))
+        return _run(plan, out, device, workers, resume, overwrite, source_info, progress, calibrated, prefill)
+    finally:
+        for h in holds:
+            h.release()
+
+
+def _run(plan, out, device, workers, resume, overwrite, source_info, progress, calibrated, prefill) -> Result:
+    t0 = time.perf_counter()
     if prefill is not None:
         prepare_check(Path(out), resume, overwrite)
         prepare_check(Path(prefill[1]), resume, overwrite)
