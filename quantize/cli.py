@@ -191,6 +191,7 @@ def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_cod
     calibrated = Calibrated(plan, samples, torch.device(dev), offload, on_layer=on_layer, devices=devices,
                             on_expert=on_expert, compute_dtype=compute_dtype, launch=launch)
     err.print(f"layer forwards in {compute.describe(plan.ckpt.dtype, calibrated.compute, dev)}", highlight=False)
+    err.print(f"memory: {calibrated.account.line()}", highlight=False)
     return calibrated
 
 
@@ -323,10 +324,14 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--offload", type=click.Choice(["auto", "gpu", "cpu", "disk"]), default="auto", show_default=True,
               help="Where calibration activations live.")
 @click.option("--trust-remote-code", is_flag=True, help="Let the checkpoint's tokenizer code run (calibration only).")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--device", default="auto", show_default=True,
+              help="auto, cpu, cuda or cuda:N; under torchrun, cuda or auto: each rank the GPU of its LOCAL_RANK.")
 @COMPUTE_DTYPE_OPTION
 @click.option("--devices", help="gptq: one rank per device (cuda:0,cuda:1,... or cpu,cpu, at most 16); the "
               "calibration samples and the routed experts are split over them, and the bytes are those of one rank.")
+@click.option("--rank-timeout", type=click.FloatRange(1, 10080), default=60, show_default=True,
+              help="Minutes a rank may wait in one exchange with the others (while rank 0 plans, rehashes on "
+              "--resume, solves and writes). A rank that dies ends the job within seconds whatever this is.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size, help="Largest output shard.")
 @click.option("--workers", default=lambda: min(8, _cores()), show_default="CPU cores, at most 8",
               type=click.IntRange(1, 64), help="Tensors converted at once (threads); memory grows with it.")
@@ -350,8 +355,8 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_samples, seq_len, seed,
             calibrate_all_experts, min_expert_tokens, offload, trust_remote_code, device, compute_dtype, devices,
-            max_shard_size, workers, tp, overwrite, resume, allow_nonfinite, kv_cache, prefill_out, prefill_recipe, verbose,
-            as_json):
+            rank_timeout, max_shard_size, workers, tp, overwrite, resume, allow_nonfinite, kv_cache, prefill_out,
+            prefill_recipe, verbose, as_json):
     """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT, or W4AFP8 (--scheme w4afp8: the
     same weights, FP8 activations on Hopper), FP8 blocks (--scheme fp8-block, compressed-tensors FP8_BLOCK), FP4
     (--scheme nvfp4a16 | nvfp4 | mxfp4a16), or INT4 and FP8 blocks at once (--prefill-out: FP8 for prefill servers).
@@ -403,16 +408,22 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
                     holds.append(hold(o))
         from quantize import quiet, tensor_plan
         from quantize.checkpoint import Checkpoint
+        from quantize.engine import devices as rank_devices
         from quantize.engine import distributed, stream
 
-        dev = resolve_device(device)
-        if (device_list or distributed.launched_by_torchrun()) and r.method != "gptq":
+        torchrun = distributed.launched_by_torchrun()
+        if device_list:
+            rank_devices.check_devices(device_list, rank_devices.visible_gpus())
+        dev = (rank_devices.torchrun_device(device, os.environ, rank_devices.visible_gpus()) if torchrun
+               else rank_devices.explicit(resolve_device(device)))
+        rank_devices.bind(dev)  # this process's device, in this thread and every thread the engine starts
+        if (device_list or torchrun) and r.method != "gptq":
             raise click.UsageError("several ranks (--devices or torchrun) serve --method gptq")
         ranks = int(os.environ.get("WORLD_SIZE", 1)) if distributed.launched_by_torchrun() else len(device_list)
         if ranks > distributed.GROUPS:
             raise click.UsageError(f"{ranks} ranks: at most {distributed.GROUPS} share a conversion (the work is "
                                    f"split in {distributed.GROUPS} fixed groups); use fewer devices")
-        if distributed.launched_by_torchrun() and distributed.init_torchrun(dev) != 0:
+        if torchrun and distributed.init_torchrun(dev, rank_timeout * 60) != 0:
             _torchrun_rank(src, r, dev, offload, allow_nonfinite)
             return
         folder, info = hub.resolve(src)
@@ -424,7 +435,8 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         if len(device_list) > 1:  # the other ranks start now: their imports overlap the planning below
             from quantize.engine.layerwise import rank_job, run_rank
 
-            launch = distributed.Launch(rank_job(folder, r, device_list, offload, allow_nonfinite), run_rank)
+            launch = distributed.Launch(rank_job(folder, r, device_list, offload, allow_nonfinite, rank_timeout * 60),
+                                        run_rank)
         ckpt = Checkpoint(folder, allow_nonfinite)
         plan = tensor_plan.build(ckpt, r, max_shard_size, tp=tp, workers=workers, device=dev)
         prefill = None
@@ -469,6 +481,11 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
     except KeyboardInterrupt:
         err.print(f"interrupted; finished shards are kept: rerun with --resume to continue {out_dir}")
         sys.exit(130)
+    except Exception:
+        died = launch.dead() if launch is not None else None
+        if died is None:
+            raise
+        fail(QuantizeError(died))  # gloo's error for a dead peer's connection: the rank and the layer instead
     finally:
         if calibrated is not None:
             calibrated.close(ok)
@@ -506,6 +523,9 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             "compute_dtype": str(calibrated.compute).removeprefix("torch."),
             "cpu_capability": calibrated.cpu_capability,
             "offload": stats.offload,
+            "memory": {"device": calibrated.account.device, "layer": calibrated.account.layer,
+                       "bytes": calibrated.account.total, "free": calibrated.account.free,
+                       "parts": calibrated.account.parts},
             "layers": len(stats.layers),
             "resumed_layers": stats.resumed_layers,
             "seconds_per_layer": [round(x.seconds, 3) for x in stats.layers],

@@ -235,23 +235,31 @@ def test_several_ranks_split_samples_and_experts_and_give_the_bytes_of_one(case,
 
 
 def test_a_layer_that_cannot_fit_is_refused_up_front(fixtures_dir, tmp_path, monkeypatch):
+    """The account (engine/memory.py) of a Kimi fixture layer under GPTQ: its weights but the routed experts, which
+    come a stack at a time, and the stack; one byte less memory than it needs is refused with the numbers."""
     import psutil
 
-    from quantize.engine import layerwise
+    from quantize.engine import experts, layerwise
     from quantize.errors import QuantizeError
 
     plan = build(Checkpoint(fixtures_dir / "kimi-k2-fp8"), recipe.preset("w4a16", 32, "gptq"), 2**30)
-    need = layerwise.layer_bytes(plan, torch.bfloat16, experts=False)  # GPTQ decodes routed experts by chunks
-    assert need == max(sum(t.numel() for n, t in layer.items() if ".experts." not in n) * 2
-                       for layer in _layers(plan).values())
-    assert need < layerwise.layer_bytes(plan, torch.bfloat16)
+    samples = [torch.zeros(1, 64, dtype=torch.int64)] * 4
+    a = layerwise.device_account(plan, samples, torch.device("cpu"), torch.bfloat16)
+    dense = max(sum(t.numel() for n, t in layer.items() if ".experts." not in n) * 2 for layer in _layers(plan).values()
+                if any(".experts." in n for n in layer))
+    assert a.parts["layer weights"] == dense  # GPTQ decodes routed experts by stacks
+    workers = experts.chunk_workers(torch.device("cpu"))
+    assert a.parts["expert stack"] == workers * experts.stack_size(128, 256, torch.bfloat16, torch.device("cpu"),
+                                                                   workers) * experts.expert_bytes(128, 256, torch.bfloat16)
+    assert a.offload == "cpu" and a.parts["hidden states"] == 4 * 64 * 256 * 2  # a CPU's memory is the host's
 
     class Tight:
-        available = need - 1
+        available = int(a.total / 0.9) - 4096
 
     monkeypatch.setattr(psutil, "virtual_memory", lambda: Tight)
-    with pytest.raises(QuantizeError, match="one decoder layer needs"):
-        layerwise.check_layer_memory(plan, torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(QuantizeError, match=r"layer 1 needs .* on cpu .*expert stack"):
+        layerwise.check_layer_memory(layerwise.device_account(plan, samples, torch.device("cpu"), torch.bfloat16,
+                                                              "cpu"))
 
 
 def _layers(plan):
@@ -407,3 +415,32 @@ def test_the_solve_gives_the_same_bytes_on_any_number_of_cpu_threads():
     assert torch.equal(*factors)
     ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H[0])), upper=True)
     torch.testing.assert_close(factors[0][0], ref, rtol=1e-4, atol=1e-6 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_codes_do_not_follow_the_process_wide_matmul_precision(method, fixtures_dir, tmp_path):
+    """Another library's torch.set_float32_matmul_precision("medium") (oneDNN's float32 GEMMs on bf16 inputs, on
+    CPUs with bf16 units; TF32 in cuBLAS on a GPU) must not move the codes: the engine computes each layer at the
+    precision it sets (quant/precision.py) and restores the process's own afterwards. Float32 forwards, the path
+    the setting reaches on CPU (on AVX2 CPUs, which have no bf16 units, it changes nothing either way)."""
+    import dataclasses
+
+    src = fixtures_dir / "llama-bf16"
+    data = calibration_samples(tmp_path)
+    r = recipe.load(RECIPES / "dense-w4a16.yaml")
+    r = dataclasses.replace(r, method=method, calibration=dataclasses.replace(r.calibration, data=str(data),
+                                                                              num_samples=8, seq_len=64))
+    samples = calib.load_samples(str(data), calib.load_tokenizer(src), 8, 64)
+    outs = {}
+    for setting in ("highest", "medium"):
+        torch.set_float32_matmul_precision(setting)
+        try:
+            plan = build(Checkpoint(src), r, 2**20)
+            hook = Calibrated(plan, samples, torch.device("cpu"), compute_dtype="float32")
+            stream.run(plan, tmp_path / setting, calibrated=hook)
+            hook.close()
+            assert torch.get_float32_matmul_precision() == setting  # the process's own, restored
+        finally:
+            torch.set_float32_matmul_precision("highest")
+        outs[setting] = {p.name: p.read_bytes() for p in (tmp_path / setting).glob("*.safetensors")}
+    assert outs["medium"] == outs["highest"]

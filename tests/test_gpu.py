@@ -53,3 +53,115 @@ def test_cuda_batched_expert_solve_is_deterministic_and_agrees_with_the_cpu():
     runs = [gptq.gptq_quantize_batched(W.cuda(), H.cuda(), scale.cuda())[0].cpu() for _ in range(2)]
     assert torch.equal(*runs)
     assert (runs[0] == cpu).float().mean() > 0.999
+
+
+def _calibrated(fixtures_dir, tmp_path, kind, out, method="gptq", offload="auto", device="cuda", recipe_name=None,
+                scheme=None, kv=None, resume=False):
+    """A calibrated conversion on `device` (8 samples of 64 tokens), verified; its shard bytes."""
+    import dataclasses
+
+    from test_gptq import calibration_samples
+
+    from quantize import calib
+    from quantize.engine import devices
+    from quantize.engine.layerwise import Calibrated
+    from quantize.verify import verify
+
+    data = calibration_samples(tmp_path, n=16)
+    r = recipe.load(RECIPES / f"{recipe_name}.yaml") if recipe_name else recipe.preset(scheme, 128, method)
+    r = dataclasses.replace(r, method=method, kv_cache=kv, calibration=dataclasses.replace(
+        r.calibration, data=str(data), num_samples=8, seq_len=64))
+    src = fixtures_dir / kind
+    plan = build(Checkpoint(src), r, 2**18, device=device)
+    samples = calib.load_samples(str(data), calib.load_tokenizer(src), 8, 64)
+    devices.bind(device)
+    hook = Calibrated(plan, samples, torch.device(device), offload)
+    try:
+        stream.run(plan, out, device=device, calibrated=hook, resume=resume)
+    finally:
+        hook.close()
+        devices.bind("cpu")
+    assert verify(out).clean
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+
+
+RELEASES = [("kimi-k2-fp8", "kimi-k2-w4a16"), ("glm4-moe-bf16", "glm-w4a16"), ("glm5-bf16", "glm-w4a16"),
+            ("llama-bf16", "dense-w4a16")]
+
+
+@pytest.mark.parametrize("kind, recipe_name", RELEASES)
+def test_cuda_gptq_repeats_its_bytes_under_every_offload(kind, recipe_name, fixtures_dir, tmp_path):
+    """CPU twin: test_gptq.py::test_gptq_conversion_is_deterministic_and_offload_does_not_change_bytes. On the GPU
+    the activations, the MoE inputs, the routed sums and GLM-5's carry move between device, host and files."""
+    runs = [_calibrated(fixtures_dir, tmp_path, kind, tmp_path / name, offload=off, recipe_name=recipe_name)
+            for name, off in (("a", "gpu"), ("b", "gpu"), ("c", "cpu"), ("d", "disk"))]
+    assert all(r == runs[0] for r in runs[1:])
+
+
+@pytest.mark.parametrize("method, scheme, kv", [("awq", "w4a16", None), ("gptq", "nvfp4a16", None),
+                                                ("gptq", "nvfp4", None), ("gptq", "mxfp4a16", None),
+                                                ("gptq", "w4a16", "fp8")])
+def test_cuda_awq_fp4_and_kv_scales_repeat_their_bytes(method, scheme, kv, fixtures_dir, tmp_path):
+    """CPU twins: test_awq.py, test_fp4_gptq.py and test_kvcache.py on the same fixture and recipes."""
+    a = _calibrated(fixtures_dir, tmp_path, "kimi-k2-fp8", tmp_path / "a", method=method, scheme=scheme, kv=kv)
+    b = _calibrated(fixtures_dir, tmp_path, "kimi-k2-fp8", tmp_path / "b", method=method, scheme=scheme, kv=kv)
+    assert a == b
+
+
+def test_cuda_codes_do_not_follow_tf32(fixtures_dir, tmp_path):
+    """CPU twin: test_gptq.py::test_codes_do_not_follow_the_process_wide_matmul_precision."""
+    ref = _calibrated(fixtures_dir, tmp_path, "llama-bf16", tmp_path / "ieee", recipe_name="dense-w4a16")
+    torch.set_float32_matmul_precision("high")  # TF32 in cuBLAS, as TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 sets it
+    try:
+        got = _calibrated(fixtures_dir, tmp_path, "llama-bf16", tmp_path / "tf32", recipe_name="dense-w4a16")
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert got == ref
+
+
+def test_cuda_resume_after_a_failure_gives_the_uninterrupted_bytes(fixtures_dir, tmp_path, monkeypatch):
+    """CPU twin: test_gptq.py::test_gptq_resume_after_a_failure_gives_the_uninterrupted_bytes."""
+    clean = _calibrated(fixtures_dir, tmp_path, "kimi-k2-fp8", tmp_path / "clean", recipe_name="kimi-k2-w4a16")
+    real, calls = stream.write_shard, []
+
+    def dying(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError(5, "I/O error")
+        return real(*a, **k)
+
+    monkeypatch.setattr(stream, "write_shard", dying)
+    with pytest.raises(OSError):
+        _calibrated(fixtures_dir, tmp_path, "kimi-k2-fp8", tmp_path / "out", recipe_name="kimi-k2-w4a16")
+    monkeypatch.setattr(stream, "write_shard", real)
+    resumed = _calibrated(fixtures_dir, tmp_path, "kimi-k2-fp8", tmp_path / "out", recipe_name="kimi-k2-w4a16",
+                          resume=True)
+    assert resumed == clean
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_cuda_one_gives_the_bytes_of_cuda_zero(fixtures_dir, tmp_path):
+    """CPU twin: test_devices.py::test_every_thread_the_engine_starts_computes_and_stages_on_the_ranks_gpu."""
+    a = _calibrated(fixtures_dir, tmp_path, "kimi-k2-fp8", tmp_path / "a", device="cuda:0", recipe_name="kimi-k2-w4a16")
+    b = _calibrated(fixtures_dir, tmp_path, "kimi-k2-fp8", tmp_path / "b", device="cuda:1", recipe_name="kimi-k2-w4a16")
+    assert a == b
+
+
+def test_cuda_cholesky_flags_a_broken_hessian_in_a_stack():
+    """CPU twin: test_gptq.py::test_singular_hessian_falls_back_to_rtn. cuSOLVER's batched potrf reports each
+    matrix's failure: a non-positive-definite and a NaN Hessian fall back to RTN, the good one is its solo solve."""
+    from quantize.quant import gptq, rtn
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(3, 256, 512, generator=g) * 0.05
+    X = torch.randn(3, 1024, 512, generator=g)
+    H = torch.einsum("eni,enj->eij", X, X)
+    H[1] = -torch.eye(512)
+    H[2, 3, 5] = float("nan")
+    scale = torch.stack([rtn.group_qparams(w, 32)[0] for w in W])
+    codes, fallback = gptq.gptq_quantize_batched(W.cuda(), H.cuda(), scale.cuda())
+    assert fallback.tolist() == [False, True, True]
+    for e in (1, 2):
+        assert torch.equal(codes[e].cpu(), rtn.quantize_groups(W[e], scale[e]))
+    assert torch.equal(codes[0], gptq.gptq_quantize(W[0].cuda(), H[0].clone().cuda(), scale[0].cuda())[0])

@@ -109,15 +109,21 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_bytes(engine, fixt
         assert from_checkpoint >= 2, from_checkpoint
 
 
-def test_several_ranks_killed_after_a_layer_resume_from_it_with_the_bytes_of_one(fixtures_dir, tmp_path):
-    """Rank 0 SIGKILLed once a layer is checkpointed (its spawned rank loses the connection and ends); the
-    resume on two ranks starts from rank 0's checkpoint, the other rank told where by rank 0."""
+def glm5_gptq_reference(fixtures_dir, tmp_path) -> tuple[list[str], list[str], Path]:
+    """The command and options of a GPTQ run of the GLM-5 fixture, and its output from one uninterrupted rank."""
     base = [sys.executable, "-m", "quantize", "convert", str(fixtures_dir / "glm5-bf16")]
     opts = ["--scheme", "w4a16", "--group-size", "32", "--method", "gptq", "--calib",
             str(calibration_samples(tmp_path, n=16)), "--num-samples", "8", "--seq-len", "64",
             "--max-shard-size", "200KB", "--workers", "1", "--device", "cpu"]
     reference = tmp_path / "reference"
     run([*base, str(reference), *opts])
+    return base, opts, reference
+
+
+def test_several_ranks_killed_after_a_layer_resume_from_it_with_the_bytes_of_one(fixtures_dir, tmp_path):
+    """Rank 0 SIGKILLed once a layer is checkpointed (its spawned rank loses the connection and ends); the
+    resume on two ranks starts from rank 0's checkpoint, the other rank told where by rank 0."""
+    base, opts, reference = glm5_gptq_reference(fixtures_dir, tmp_path)
     out = tmp_path / "out"
     partial = out.with_name(out.name + ".partial")
     ranks = [*opts, "--devices", "cpu,cpu"]
@@ -127,3 +133,72 @@ def test_several_ranks_killed_after_a_layer_resume_from_it_with_the_bytes_of_one
     report = run([*base, str(out), *ranks, "--resume", "--json"])
     assert report["calibration"]["resumed_layers"] == saved
     assert files_of(out) == files_of(reference)
+
+
+def _ranks_of(pid: int) -> list:
+    import psutil
+
+    return [p for p in psutil.Process(pid).children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+
+
+@pytest.mark.parametrize("victim", ["rank 1", "rank 0"])
+def test_a_dead_rank_ends_every_rank_in_seconds_naming_it_and_resume_gives_the_bytes(victim, fixtures_dir, tmp_path):
+    """SIGKILL one rank of a `--devices cpu,cpu` GPTQ run once a layer is done: every other rank exits within a
+    minute with one line naming the dead rank and the layer, no process is left, and --resume gives the bytes
+    of an uninterrupted run. Under NCCL no collective notices a dead peer, so rank 0 watches the ranks it
+    started and each rank watches rank 0 (engine/distributed.py); test_the_watch_names_... pins that path."""
+    import psutil
+
+    base, opts, reference = glm5_gptq_reference(fixtures_dir, tmp_path)
+    out = tmp_path / "out"
+    partial = out.with_name("out.partial")
+    proc = subprocess.Popen([*base, str(out), *opts, "--devices", "cpu,cpu"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (next_layer(partial) >= 1 and _ranks_of(proc.pid)):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run never reached its first layer"
+        time.sleep(0.002)
+    rank1 = _ranks_of(proc.pid)[0]
+    t0 = time.monotonic()
+    if victim == "rank 1":
+        rank1.kill()
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1, err
+        line = err.strip().splitlines()[-1]
+        assert line.startswith("error: rank 1 (cpu) died (killed by SIGKILL") and "during layer" in line, err
+    else:
+        proc.kill()
+        gone, alive = psutil.wait_procs([rank1], timeout=60)
+        assert not alive, "rank 1 outlived rank 0"
+        _, err = proc.communicate(timeout=10)
+        assert f"rank 1: rank 0 (PID {proc.pid}) is gone during layer" in err, err
+        assert "Traceback" not in err, err
+    assert time.monotonic() - t0 < 60
+    assert not psutil.pid_exists(rank1.pid) or rank1.status() == psutil.STATUS_ZOMBIE
+    run([*base, str(out), *opts, "--devices", "cpu,cpu", "--resume"])
+    assert files_of(out) == files_of(reference)
+
+
+def test_the_watch_names_a_dead_rank_while_rank_0_is_busy_elsewhere():
+    """The path that ends an NCCL job: rank 0 is in no collective that would fail (under NCCL it waits in one
+    that never does), and the watch alone sees the rank's death, within a second."""
+    import multiprocessing
+    import threading
+
+    from quantize.engine import distributed
+
+    p = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(60,))
+    p.start()
+    lines, stopped = [], threading.Event()
+    distributed.layer[0] = 7
+    t = threading.Thread(target=distributed.watch, args=([p], ["cuda:0", "cuda:1"], lines.append, stopped))
+    t.start()
+    time.sleep(0.2)
+    assert lines == []  # alive: nothing said
+    t0 = time.monotonic()
+    os.kill(p.pid, signal.SIGKILL)
+    t.join(timeout=10)
+    assert time.monotonic() - t0 < 2
+    assert lines == ["rank 1 (cuda:1) died (killed by SIGKILL (the OOM killer sends it too)) during layer 7; every "
+                     "rank stops: rerun with --resume to continue from the last finished layer"]
+    distributed.layer[0] = None

@@ -1,5 +1,5 @@
 """Where the layerwise engine keeps calibration activations: on the compute device, in host memory or in
-memory-mapped files, decided once per run by `choose_offload`.
+memory-mapped files, decided once per run by engine/memory.py's account.
 
 `ActivationStore` holds one tensor per calibration sample (the hidden states carried from layer to layer);
 `TokenBuffer` holds all tokens of one MoE layer's input as a single [tokens, hidden] tensor, from which each
@@ -12,7 +12,6 @@ import itertools
 import math
 from pathlib import Path
 
-import psutil
 import torch
 
 
@@ -34,20 +33,6 @@ def release_freed_memory() -> None:
     the first layers of even a 135M model and never comes back."""
     if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
-
-
-def choose_offload(offload: str, device: torch.device, need: int, other: int = 0) -> str:
-    """gpu when the activations (`need` bytes) fit in half the GPU memory left once `other` bytes (a layer's
-    weights, one chunk of experts and its Hessians) are held there, else cpu when they fit in half the free
-    host memory, else disk."""
-    if offload != "auto":
-        return offload
-    if device.type == "cuda" and (torch.cuda.mem_get_info(device)[0] - other) // 2 > need:
-        return "gpu"
-    host_other = other if device.type == "cpu" else 0
-    if (psutil.virtual_memory().available - host_other) // 2 > need:
-        return "cpu"
-    return "disk"
 
 
 _names = itertools.count()

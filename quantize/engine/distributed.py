@@ -11,10 +11,13 @@ bytes are the same on 1 rank as on 16. What a rank runs is given to `spawn` (eng
 this module imports no engine.
 """
 
+import datetime
 import os
+import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from quantize import compute
+from quantize.engine import devices
 
 GROUPS = 16  # at most this many ranks share a layer's work
 
@@ -59,37 +63,62 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.is_floating_point() and t.dtype.itemsize > 1 else t
 
 
+STAGE_BYTES = 256 << 20  # a host tensor crosses NCCL this much at a time: what it stages on the GPU at most
+
+
 def _on_backend(t: torch.Tensor) -> torch.Tensor:
+    """t where the backend reads it: NCCL only from the GPU, the rank's own (devices.bound: whatever thread calls)."""
     if dist.get_backend() == "nccl" and t.device.type != "cuda":
-        return t.to(torch.device("cuda", torch.cuda.current_device()))
+        return t.to(devices.bound())
     return t
 
 
+def _staged(wire: torch.Tensor) -> bool:
+    return dist.get_backend() == "nccl" and wire.device.type != "cuda"
+
+
+def _pieces(wire: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A host tensor's bytes in STAGE_BYTES views (writing into one writes into the tensor): a span of a host
+    TokenBuffer is gigabytes, and staged whole it would take that much of the GPU (memory.py counts one piece)."""
+    return wire.reshape(-1).view(torch.uint8).split(STAGE_BYTES)
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
 def send(t: torch.Tensor, dst: int) -> None:
-    dist.send(_on_backend(_wire(t)), dst)
+    wire = _wire(t)
+    for piece in _pieces(wire) if _staged(wire) else (wire,):
+        dist.send(_on_backend(piece), dst)
 
 
 def recv(t: torch.Tensor, src: int) -> torch.Tensor:
     """Into t (contiguous), from rank src."""
     wire = _wire(t)  # a view of t: t is contiguous
-    buf = _on_backend(wire)
-    dist.recv(buf, src)
-    if buf is not wire:
-        wire.copy_(buf)
+    if not _staged(wire):
+        dist.recv(wire, src)
+        return t
+    for piece in _pieces(wire):
+        buf = torch.empty_like(piece, device=devices.bound())
+        dist.recv(buf, src)
+        piece.copy_(buf)
     return t
 
 
 def broadcast(t: torch.Tensor, src: int = 0, async_op: bool = False):
     """t (contiguous) from rank src to all; with async_op (on src only) returns the pending work and the buffer
-    it reads, which must be kept until the work is done."""
+    it reads, which must be kept until the work is done (a host tensor under NCCL goes piece by piece, at once)."""
     wire = _wire(t)
-    buf = _on_backend(wire)
-    work = dist.broadcast(buf, src=src, async_op=async_op)
-    if async_op:
-        return work, buf
-    if buf is not wire:
-        wire.copy_(buf)
-    return None
+    if not _staged(wire):
+        work = dist.broadcast(wire, src=src, async_op=async_op)
+        return (work, wire) if async_op else None
+    for piece in _pieces(wire):
+        buf = _on_backend(piece) if dist.get_rank() == src else torch.empty_like(piece, device=devices.bound())
+        dist.broadcast(buf, src=src)
+        piece.copy_(buf)
+    return (_Done(), wire) if async_op else None
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -153,6 +182,13 @@ def recv_text(src: int) -> str:
     return bytes(recv_any(src, torch.device("cpu")).tolist()).decode()
 
 
+# A collective's wait, at most. A rank waits in one while rank 0 plans, tokenizes, rehashes the finished shards
+# on --resume (a Kimi K2 output, ~600 GB at ~1 GB/s: 10 minutes, NCCL's default timeout) and, each layer, while
+# rank 0 solves the dense Linears and writes. A rank that dies is not waited for (`watch`, `_watch_parent`): the
+# timeout bounds only a rank that hangs alive. `convert --rank-timeout` sets it.
+DEFAULT_TIMEOUT_S = 3600.0
+
+
 @dataclass
 class Job:
     """What a rank needs to rebuild rank 0's plan exactly (the samples and where to start come from rank 0 once
@@ -164,6 +200,7 @@ class Job:
     devices: list[str]
     offload: str
     allow_nonfinite: bool = False
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
 
 def _free_port() -> int:
@@ -178,30 +215,71 @@ def cores_per_rank(cpu_ranks: int) -> int:
     return max(1, compute.cores() // max(1, cpu_ranks))
 
 
-def share_cores(devices: list[str]) -> None:
-    cpu_ranks = sum(1 for d in devices if not d.startswith("cuda"))
+def share_cores(ranks: list[str]) -> None:
+    cpu_ranks = sum(1 for d in ranks if not d.startswith("cuda"))
     if cpu_ranks > 1:
         torch.set_num_threads(cores_per_rank(cpu_ranks))
 
 
-def _init(rank: int, world: int, device: str, init_method: str | None = None, devices: list[str] | None = None) -> None:
+POLL_S = 0.5  # how often rank 0 looks at the ranks it started, and a rank at rank 0
+layer = [None]  # the decoder layer this rank is on, for the line that names a dead rank
+
+
+def _init(rank: int, world: int, device: str, init_method: str | None = None, ranks: list[str] | None = None,
+          timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    else:
-        share_cores(devices or [device] * world)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    devices.bind(device)
+    if backend == "gloo":
+        share_cores(ranks or [device] * world)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
 
 
-def init_torchrun(device: str) -> int:
-    """Join the process group torchrun set up; returns this rank."""
+def init_torchrun(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    """Join the process group torchrun set up, on this rank's device (devices.torchrun_device); returns the rank.
+    A rank that dies is torchrun's to handle: its agent sees the exit and stops every other rank of the job."""
     world = int(os.environ["WORLD_SIZE"])
-    _init(int(os.environ["RANK"]), world, device, devices=[device] * int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    _init(int(os.environ["RANK"]), world, device, ranks=[device] * int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+          timeout_s=timeout_s)
     return dist.get_rank()
+
+
+def how_it_ended(exitcode: int) -> str:
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        return f"killed by {name}" + (" (the OOM killer sends it too)" if name == "SIGKILL" else "")
+    return f"exit {exitcode}"
+
+
+def death_line(rank: int, device: str, exitcode: int) -> str:
+    where = f" during layer {layer[0]}" if layer[0] is not None else " before the first layer"
+    return (f"rank {rank} ({device}) died ({how_it_ended(exitcode)}){where}; every rank stops: rerun with --resume "
+            "to continue from the last finished layer")
+
+
+def watch(processes: list, devices_of: list[str], on_death: Callable[[str], None], stopped: threading.Event) -> None:
+    """Until `stopped`, look at the ranks every POLL_S; the first that ended with an error calls on_death with
+    the line that names it. NCCL does not notice a dead peer: without this, rank 0 would wait in its next
+    collective until the timeout."""
+    while not stopped.wait(POLL_S):
+        for i, p in enumerate(processes):
+            if p.exitcode not in (None, 0):
+                on_death(death_line(i + 1, devices_of[i + 1], p.exitcode))
+                return
+
+
+def _abort(line: str, processes: list) -> None:
+    """A rank died: say so once, stop the others and end this process as SIGKILL would (what is finished stays:
+    shards, state and the layer checkpoints are written whole or not at all, so --resume continues)."""
+    print(f"error: {line}", file=sys.stderr, flush=True)
+    for p in processes:
+        if p.exitcode is None:
+            p.kill()
+    os._exit(1)
 
 
 class Launch:
@@ -214,26 +292,46 @@ class Launch:
         # rank 0 keeps its cores for planning, writing and verifying: its calibration threads take their share
         # (layerwise.LayerwiseQuantizer.threads)
         first = job.devices[0]
-        if first.startswith("cuda"):
-            torch.cuda.set_device(torch.device(first))
+        devices.bind(first)
         init = f"tcp://127.0.0.1:{_free_port()}"
         world = len(job.devices)
         # from this thread: torch.multiprocessing's children get SIGINT when the thread that started them ends
-        self._out: dict = {"ctx": mp.start_processes(_worker_main, args=(world, init, job, run), nprocs=world - 1,
-                                                     join=False, start_method="spawn")}
+        ctx = mp.start_processes(_worker_main, args=(world, init, job, run, os.getpid()), nprocs=world - 1,
+                                 join=False, start_method="spawn")
+        self._out: dict = {"ctx": ctx}
+        self.stopped = threading.Event()
+        self._watcher = threading.Thread(target=watch, daemon=True, args=(
+            ctx.processes, job.devices, lambda line: _abort(line, ctx.processes), self.stopped))
+        self._watcher.start()
         backend = "nccl" if first.startswith("cuda") else "gloo"
-        self._thread = threading.Thread(target=self._start, args=(backend, init, world), daemon=True)
+        self._thread = threading.Thread(target=self._start, args=(backend, init, world, job.timeout_s), daemon=True)
         self._thread.start()
+        self.devices = job.devices
 
-    def _start(self, backend: str, init: str, world: int) -> None:
+    def _start(self, backend: str, init: str, world: int, timeout_s: float) -> None:
+        devices.follow()
         try:
-            dist.init_process_group(backend, init_method=init, rank=0, world_size=world)
+            dist.init_process_group(backend, init_method=init, rank=0, world_size=world,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
         except BaseException as e:  # raised in the caller's thread, by join
             self._out["error"] = e
+
+    def dead(self, wait_s: float = 2 * POLL_S) -> str | None:
+        """The line naming a rank that died, if one did (waiting up to wait_s for its exit to show: gloo tells
+        rank 0 of a dead peer before its process is reaped); None while every rank lives."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for i, p in enumerate(self._out["ctx"].processes):
+                if p.exitcode not in (None, 0):
+                    return death_line(i + 1, self.devices[i + 1], p.exitcode)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def join(self) -> mp.ProcessContext:
         self._thread.join()
         if "error" in self._out:
+            self.stopped.set()
             ctx = self._out.get("ctx")
             if ctx is not None:
                 for p in ctx.processes:
@@ -243,12 +341,15 @@ class Launch:
 
     def close(self) -> None:
         """The ranks were started but never given work (rank 0 failed or had nothing to calibrate): stop them."""
+        self.stopped.set()
         self._thread.join()
         finish(self._out.get("ctx"), ok=False)
 
 
-def finish(ctx: mp.ProcessContext | None, ok: bool = True) -> None:
+def finish(ctx: mp.ProcessContext | None, ok: bool = True, stopped: threading.Event | None = None) -> None:
     """Leave the group; after a failure on rank 0 the other ranks would wait forever, so they are stopped."""
+    if stopped is not None:
+        stopped.set()  # what follows ends the ranks: the watch must not take it for a death
     if ctx is not None and not ok:
         for p in ctx.processes:
             p.terminate()
@@ -259,12 +360,50 @@ def finish(ctx: mp.ProcessContext | None, ok: bool = True) -> None:
             p.join()
 
 
-def _worker_main(index: int, world: int, init: str, job: Job, run: Callable[[Job, torch.device], None]) -> None:
+def _orphaned(rank: int, parent: int) -> None:
+    """This rank's rank 0 is gone: one line, and the end of the process (nothing of a rank > 0 is kept)."""
+    where = f"during layer {layer[0]}" if layer[0] is not None else "before the first layer"
+    print(f"rank {rank}: rank 0 (PID {parent}) is gone {where}; stopping", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _gone(parent: int, wait_s: float = 1.0) -> bool:
+    """Whether rank 0 is gone, waiting up to wait_s for the kernel to say so: a dead process's sockets close
+    (gloo's error here) and its SIGINT arrives before this process is handed to its new parent."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == parent:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def _watch_parent(rank: int, parent: int) -> None:
+    """A rank whose rank 0 is gone (SIGKILL, the OOM killer) stops at once. torch.multiprocessing sends it SIGINT
+    then (PR_SET_PDEATHSIG), but Python runs the handler only when the main thread leaves C++: a thread waiting
+    in an NCCL collective would wait until the timeout."""
+    while os.getppid() == parent:
+        time.sleep(POLL_S)
+    _orphaned(rank, parent)
+
+
+def _worker_main(index: int, world: int, init: str, job: Job, run: Callable[[Job, torch.device], None],
+                 parent: int) -> None:
     rank = index + 1
-    _init(rank, world, job.devices[rank], init, job.devices)
+
+    def on_sigint(signum, frame):
+        if _gone(parent):
+            _orphaned(rank, parent)
+        raise KeyboardInterrupt  # Ctrl-C reaches every rank; rank 0 reports it
+
+    signal.signal(signal.SIGINT, on_sigint)
+    threading.Thread(target=_watch_parent, args=(rank, parent), daemon=True).start()
+    _init(rank, world, job.devices[rank], init, job.devices, job.timeout_s)
     try:
         run(job, torch.device(job.devices[rank]))
     except Exception:
+        if _gone(parent):  # gloo's error for the connection rank 0 held: one line says what happened
+            _orphaned(rank, parent)
         # torch.multiprocessing keeps a child's traceback for a join that rank 0 never makes (it learns of the
         # failure as a closed connection): say here what went wrong
         print(f"rank {rank} ({job.devices[rank]}) failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)

@@ -162,6 +162,13 @@ class Setting:
     calibration: object  # recipe.Calibration
     world: int = 1
     rank: int = 0
+    offload: str = "gpu"  # where activations live (activations.choose): the routed sums too, under cpu or disk
+
+    @property
+    def sums(self) -> torch.device:
+        """Where the routed experts' partial sums are added: the device, or the host when activations are
+        offloaded (Kimi K2 at 1M tokens: 28 GiB that the GPU would otherwise hold)."""
+        return self.device if self.offload == "gpu" else torch.device("cpu")
 
 
 @dataclass
@@ -401,8 +408,8 @@ class LayerExperts:
 
     # -- after the quantized layer's pass ------------------------------------------------------------------
     def routed_output(self) -> torch.Tensor | None:
-        """The routed experts' share of every token's layer output, [tokens, hidden] on rank 0 (None on the
-        others, which send their groups' sums to it)."""
+        """The routed experts' share of every token's layer output, [tokens, hidden] on rank 0 where Setting.sums
+        says (None on the others, which send their groups' sums to it)."""
         s = self.s
         routing = route(self.idx_adv, self.n)
         w_flat = self.w_adv.reshape(-1)
@@ -410,16 +417,16 @@ class LayerExperts:
         for g in range(GROUPS):
             experts = list(group_members(g, self.n))
             if g in self.groups:
-                part = torch.zeros(self.tokens, self.hidden, dtype=s.compute, device=s.device)
+                part = torch.zeros(self.tokens, self.hidden, dtype=s.compute, device=s.sums)
                 used = [e for e in experts if routing.counts[e]]
                 outs = each(lambda e: self._expert_output(e, routing, w_flat), used, chunk_workers(s.device))
-                for tokens, out in outs:  # in expert order: the sum's order is fixed
-                    part.index_add_(0, tokens, out)
+                for tokens, out in outs:  # in expert order: the sum's order is fixed (one add per element: the
+                    part.index_add_(0, tokens.to(s.sums), out.to(s.sums))  # same bits on the host as on the GPU)
                 if s.rank != 0:
                     send(part, 0)
                     continue
             elif s.rank == 0:
-                part = torch.empty(self.tokens, self.hidden, dtype=s.compute, device=s.device)
+                part = torch.empty(self.tokens, self.hidden, dtype=s.compute, device=s.sums)
                 recv(part, g % s.world)
             else:
                 continue

@@ -19,7 +19,6 @@ This module is the layer loop and the dense work (GPTQ of attention and dense ML
 """
 
 import itertools
-import math
 import os
 import shutil
 import tempfile
@@ -27,7 +26,6 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -37,44 +35,45 @@ import torch
 from torch import nn
 
 from quantize import compute, kvcache, serving
-from quantize.engine import distributed
+from quantize.engine import devices, distributed, memory
 from quantize.engine import experts as routed
-from quantize.engine.activations import ActivationStore, TokenBuffer, choose_offload, release_freed_memory
+from quantize.engine.activations import ActivationStore, TokenBuffer, release_freed_memory
 from quantize.engine.awq_layer import awq_layer, takes_topk
 from quantize.engine.hessians import Hessians
 from quantize.engine.layer_state import CALIB_DIR, LayerCheckpoint, Resume, samples_key
 from quantize.errors import QuantizeError
-from quantize.quant import codec, fp4, gptq
+from quantize.quant import codec, fp4, gptq, precision
 from quantize.tensor_plan import Entry, Plan
 
 
-def layer_bytes(plan: Plan, dtype: torch.dtype, experts: bool = True) -> int:
-    """The largest decoder layer's weights decoded to `dtype`: what the engine holds besides activations.
-    experts=False leaves out the routed experts, which GPTQ decodes a bounded chunk at a time."""
-    per_layer: dict[int, int] = defaultdict(int)
-    for e in plan.entries:
-        if e.role.layer is not None and e.role.kind != "mtp" and (experts or e.role.kind != "expert"):
-            per_layer[e.role.layer] += math.prod(e.tensor.shape) * dtype.itemsize
-    return max(per_layer.values(), default=0)
-
-
-def check_layer_memory(plan: Plan, device: torch.device, dtype: torch.dtype) -> None:
-    """Refuse up front, with the numbers, when one layer cannot fit where it must run (under GPTQ, without
-    its routed experts but with the stacks of them solved at once: they come a stack at a time)."""
+def device_account(plan: Plan, samples: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
+                   offload: str = "auto", world: int = 1) -> memory.Account:
+    """What the largest decoder layer holds on `device` under the offload chosen for it (engine/memory.py): its
+    weights but the routed experts GPTQ streams, their stacks, the dense Hessians, one sample's forward, the
+    staging, and the activations when they stay on the device."""
     gptq_ = plan.recipe.method == "gptq"
-    need = layer_bytes(plan, dtype, experts=not gptq_)
-    expert = next((e for e in plan.entries if e.role.kind == "expert" and e.role.module.endswith("gate_proj")), None)
-    if gptq_ and expert is not None:
-        inter, hidden = expert.tensor.shape
-        workers = routed.chunk_workers(device)
-        need += workers * routed.stack_size(inter, hidden, plan.ckpt.dtype, device, workers) * \
+    workers = routed.chunk_workers(device)
+
+    def stack_of(inter: int, hidden: int) -> int:
+        return workers * routed.stack_size(inter, hidden, plan.ckpt.dtype, device, workers) * \
             routed.expert_bytes(inter, hidden, plan.ckpt.dtype)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-    if need > free:
-        raise QuantizeError(
-            f"one decoder layer needs {need / 2**30:.1f} GiB on {device} but {free / 2**30:.1f} GiB is free; "
-            "use a device with more memory or free some"
-        )
+
+    tc = plan.model.text_config
+    dsa = plan.model.arch.family == "glm_moe_dsa"  # its layers carry top-k indices (int64) and score them per head
+    layers = memory.layers_of(plan.entries, dtype.itemsize, stack_of, gptq_, carry=8 * (tc.get("index_topk") or 0) * dsa,
+                              index_heads=(tc.get("index_n_heads") or 0) * dsa)
+    free_host = psutil.virtual_memory().available
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else free_host
+    lengths = [s.numel() for s in samples]
+    return memory.choose(layers, sum(lengths), max(lengths, default=0), plan.model.hidden_size, dtype.itemsize,
+                         offload, str(device), free, free_host,
+                         distributed.STAGE_BYTES if world > 1 and device.type == "cuda" else 0)
+
+
+def check_layer_memory(account: memory.Account) -> None:
+    """Refuse up front, with the numbers, when the largest layer cannot fit where it must run."""
+    if not memory.fits(account):
+        raise QuantizeError(memory.refusal(account))
 
 
 @dataclass
@@ -158,11 +157,9 @@ class LayerwiseQuantizer:
         self.results: dict[str, list[torch.Tensor]] = {}
         self.stats = Stats()
         self.next_layer = 0
-        hidden = self.model.hidden_size
         tokens = sum(s.numel() for s in samples)
-        # the hidden states, and a MoE layer's inputs twice (its calibration pass and its quantized pass)
-        need = tokens * hidden * self.compute.itemsize * 3
-        self.stats.offload = choose_offload(offload, device, need, layer_bytes(plan, self.compute, experts=False))
+        self.account = device_account(plan, samples, device, self.compute, offload, self.world)
+        self.stats.offload = self.account.offload
         # disk offload goes where TMPDIR points: put it on a fast disk with room for the activations
         self._tmp = Path(tempfile.mkdtemp(prefix="quantize-act-")) if self.stats.offload == "disk" else None
         self.hidden = self._store()
@@ -172,7 +169,7 @@ class LayerwiseQuantizer:
         self._shared: tuple = (None, None)  # (length, layer type), (mask, rotary embeddings)
         self.rotary = type(self.skeleton.model.rotary_emb)(config=self.config).to(self.device)
         self.resumed_from = 0
-        self._saver, self._saving = ThreadPoolExecutor(max_workers=1), None
+        self._saver, self._saving = devices.pool(1), None
         self.tokens = tokens
         if worker:
             pass  # a rank > 0 holds only its samples' hidden states, sent by rank 0 at the start of each layer
@@ -280,7 +277,8 @@ class LayerwiseQuantizer:
                     before_sample(s)
                 h, pos = self.hidden[self._slot(s)], self.positions[s]
                 mask, rotary = self._inputs(h, pos, layer_type)
-                kwargs = {"prev_topk_indices": self.carry[s]} if topk else {}
+                carry = self.carry[s]
+                kwargs = {"prev_topk_indices": carry if carry is None else carry.to(self.device)} if topk else {}
                 if stop is not None:
                     stop.reset()
                 try:
@@ -289,8 +287,8 @@ class LayerwiseQuantizer:
                     continue
                 if isinstance(y, tuple):
                     y, extra = y[0], y[1]
-                    if advance:
-                        self.carry[s] = extra
+                    if advance:  # with the activations: GLM-5's top-k indices are 16 KB a token
+                        self.carry[s] = extra if self.stats.offload == "gpu" or extra is None else extra.to("cpu")
                 if advance:
                     self.hidden[self._slot(s)] = y
 
@@ -315,9 +313,10 @@ class LayerwiseQuantizer:
                 torch.set_num_threads(self.threads)
             if layer < self.resumed_from:
                 return self.checkpoint.result(layer, e.tensor.name)
-            while self.next_layer <= layer:
-                self._quantize_layer(self.next_layer)
-                self.next_layer += 1
+            with precision.exact():  # the codes must not depend on the process's TF32 / matmul precision
+                while self.next_layer <= layer:
+                    self._quantize_layer(self.next_layer)
+                    self.next_layer += 1
             return self.results.pop(e.tensor.name, None)
 
     def _layer_targets(self, i: int) -> dict[str, Entry]:
@@ -337,6 +336,7 @@ class LayerwiseQuantizer:
         """Layer i on this rank: on rank 0 everything, on the others (data parallel GPTQ) their samples' forwards
         and their experts, in the same order of exchanges."""
         t0 = time.perf_counter()
+        distributed.layer[0] = i
         targets = self._layer_targets(i)
         if self.dp:
             self._exchange_inputs()
@@ -463,7 +463,7 @@ class LayerwiseQuantizer:
                 by_expert[e.role.expert][m.rsplit(".", 1)[1]] = e
         act_fn = self.skeleton.model.layers[i].mlp.experts.act_fn  # fused, or the Deferred that replaced it
         setting = routed.Setting(self.ckpt, self.device, self.compute, self.dtype, self.recipe.scheme,
-                                 self.recipe.gptq, self.recipe.calibration, self.world, self.rank)
+                                 self.recipe.gptq, self.recipe.calibration, self.world, self.rank, self.stats.offload)
         prefix = f"{self.model.prefix}model.layers.{i}.mlp.experts."
         return routed.LayerExperts(setting, prefix, self.config.n_routed_experts, dict(by_expert), self.tokens,
                                    self.model.hidden_size, self.config.num_experts_per_tok, act_fn,
@@ -484,7 +484,7 @@ class LayerwiseQuantizer:
         for s in range(len(self.hidden)):
             n = self.positions[s].numel()
             h = self.hidden[s]
-            self.hidden[s] = h + y[start:start + n].view_as(h)
+            self.hidden[s] = h + y[start:start + n].to(h.device).view_as(h)
             start += n
         del y
         results = moe.collect()
@@ -620,8 +620,9 @@ class LayerwiseQuantizer:
     def run_worker(self) -> None:
         """Rank > 0: its samples' forwards and its share of the routed experts, layer by layer; rank 0 solves the
         dense Linears and writes."""
-        for i in range(self.next_layer, self.model.num_hidden_layers):
-            self._quantize_layer(i)
+        with precision.exact():
+            for i in range(self.next_layer, self.model.num_hidden_layers):
+                self._quantize_layer(i)
 
 
 def _check_checkpoint_space(partial: Path, plan: Plan, samples: list[torch.Tensor], dtype: torch.dtype) -> None:
@@ -669,7 +670,8 @@ class Calibrated:
         self._launch, self._ranks = launch, None
         self.compute = compute.choose(plan.ckpt.dtype, device, compute_dtype)
         self.cpu_capability = compute.cpu_capability() if device.type == "cpu" else None
-        check_layer_memory(plan, device, self.compute)  # before OUT.partial exists: a refusal leaves nothing
+        self.account = device_account(plan, samples, device, self.compute, offload, len(devices or []) or 1)
+        check_layer_memory(self.account)  # before OUT.partial exists: a refusal leaves nothing
         self.args = (plan, samples, device, offload)
         self.on_layer, self.on_expert = on_layer, on_expert
         self.devices = devices or []
@@ -700,14 +702,15 @@ class Calibrated:
         if self.quantizer is not None:
             self.quantizer.close()
         if self._ranks is not None:
-            distributed.finish(self._ranks, ok)
+            distributed.finish(self._ranks, ok, self._launch.stopped)
         elif self._launch is not None:
             self._launch.close()  # started, never given work
 
 
-def rank_job(src: Path, recipe, devices: list[str], offload: str, allow_nonfinite: bool = False):
+def rank_job(src: Path, recipe, devices: list[str], offload: str, allow_nonfinite: bool = False,
+             timeout_s: float = distributed.DEFAULT_TIMEOUT_S):
     """The Job of ranks 1.. (the CLI makes it before planning, to start them early)."""
-    return distributed.Job(str(src), recipe.to_dict(), 1 << 62, devices, offload, allow_nonfinite)
+    return distributed.Job(str(src), recipe.to_dict(), 1 << 62, devices, offload, allow_nonfinite, timeout_s)
 
 
 def run_rank(job, device: torch.device) -> None:

@@ -8,6 +8,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from quantize.engine import devices
+
 
 def in_order(pool: ThreadPoolExecutor, fn: Callable, items: Iterable, depth: int) -> Iterator:
     """fn over items on the pool, results in item order, at most `depth` in flight (memory stays bounded).
@@ -31,7 +33,7 @@ def single_threaded(workers: int) -> Iterator[ThreadPoolExecutor]:
     after (MKL's count is process-wide, and each worker sets it to one)."""
     threads = torch.get_num_threads()
     try:
-        with ThreadPoolExecutor(workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        with devices.pool(workers, then=lambda: torch.set_num_threads(1)) as pool:
             yield pool
     finally:
         torch.set_num_threads(threads)

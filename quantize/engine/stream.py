@@ -19,6 +19,7 @@ import torch
 from quantize import __version__, compute
 from quantize.checkpoint import INDEX_NAME
 from quantize.destination import check_apart, hold, partial_dir, prepare_check
+from quantize.engine import devices
 from quantize.engine.layer_state import CALIB_DIR
 from quantize.engine.ordered import in_order
 from quantize.engine.state import STATE_NAME, State, fingerprint_parts
@@ -337,7 +338,7 @@ def _run(plan, out, device, workers, resume, overwrite, source_info, progress, c
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, compute.cores() // workers))
     try:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
+        with devices.pool(workers) as pool:
             for i in todo:
                 # one more in flight than workers, so that a tensor is ready whenever the writer is
                 if second is None:

@@ -8,11 +8,11 @@ descending Hessian diagonal while every column keeps its own group, so no g_idx 
 """
 
 import contextlib
-import threading
 
 import torch
 
 from quantize.quant import fp4 as e2m1
+from quantize.quant import precision
 from quantize.quant.rtn import int_range
 
 
@@ -29,7 +29,7 @@ def add_batch(H: torch.Tensor, x: torch.Tensor) -> int:
     """
     exact_bf16 = x.dtype == torch.bfloat16
     x = x.reshape(-1, x.shape[-1]).to(H.dtype)
-    with _reduced_precision_fp32_matmul(H.device) if exact_bf16 else contextlib.nullcontext():
+    with precision.bf16_products(H.device) if exact_bf16 else contextlib.nullcontext():
         for r1, r2 in _row_blocks(H.shape[0]):
             H[r1:r2, r1:].addmm_(x[:, r1:r2].t(), x[:, r1:])
     return x.shape[0]
@@ -74,34 +74,6 @@ def _thread_invariant(device: torch.device):
         yield
     finally:
         torch.set_num_threads(before)
-
-
-_precision_lock = threading.Lock()
-_precision_users = 0
-
-
-@contextlib.contextmanager
-def _reduced_precision_fp32_matmul(device: torch.device):
-    """float32 matmuls with bf16 (CPU, oneDNN) or TF32 (CUDA) inputs and float32 accumulation and output.
-    Exact for inputs that are bf16 values: both formats hold a bf16 mantissa whole.
-
-    The switch is process-wide and threads solve chunks of experts at once (experts.chunk_workers): it is
-    turned on by the first to enter and back by the last to leave, or one thread's restore would let another's
-    product run at full precision (other bytes)."""
-    global _precision_users
-    backend = torch.backends.cuda.matmul if device.type == "cuda" else torch.backends.mkldnn.matmul
-    with _precision_lock:
-        if _precision_users == 0:
-            _reduced_precision_fp32_matmul.before = backend.fp32_precision
-            backend.fp32_precision = "tf32" if device.type == "cuda" else "bf16"
-        _precision_users += 1
-    try:
-        yield
-    finally:
-        with _precision_lock:
-            _precision_users -= 1
-            if _precision_users == 0:
-                backend.fp32_precision = _reduced_precision_fp32_matmul.before
 
 
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,

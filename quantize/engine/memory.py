@@ -1,0 +1,150 @@
+"""What the layerwise engine holds on its compute device, counted before offload is chosen and before the run
+starts: a GPU that cannot hold it is refused with the numbers, never an out-of-memory error an hour in.
+
+Per decoder layer, on the device, whatever the offload:
+- the layer's weights but the routed experts (GPTQ decodes those a stack at a time);
+- the stacks of routed experts solved at once (engine/experts.py: expert_bytes x stack_size, fixed per device);
+- the dense Hessians of the layer (all alive until solved) and the solve's working copies of the largest;
+- one sample's forward (its hidden states, attention and MLP temporaries; a DSA layer's index scores);
+- NCCL's staging of host buffers, a bounded chunk at a time (distributed.STAGE_BYTES).
+With `--offload gpu` also every sample's hidden states, a MoE layer's inputs recorded twice (the calibration
+pass and the quantized pass), the routed experts' partial sums (a group's and the total) and a DSA layer's
+top-k indices carried to the next layer; with `cpu` or `disk` those live on the host, or in mapped files.
+"""
+
+import math
+from dataclasses import dataclass
+
+GIB = 2**30
+USABLE = 0.9  # of the free device memory: the allocator's fragmentation and cuBLAS / cuSOLVER workspaces
+ROUTER_TOP_K_BYTES = 8 + 4  # per token and slot: the expert index (int64) and its weight (float32), on the host
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer as the account sees it: shapes and bytes, nothing loaded."""
+
+    index: int
+    weights: int  # its weights but the routed experts GPTQ streams, in the compute dtype
+    hessians: tuple[int, ...]  # the input width of each distinct Hessian of its dense GPTQ targets
+    stack: int  # bytes of the expert stacks solved at once (0 without routed GPTQ targets)
+    moe: bool  # routed experts run outside the layer: their inputs are recorded, their outputs summed
+    carry: int  # bytes per token a DSA layer passes to the next (its top-k indices)
+    index_heads: int = 0  # a DSA layer's indexer heads: one sample's [heads, seq, seq] float32 scores
+
+
+@dataclass(frozen=True)
+class Account:
+    device: str
+    offload: str
+    layer: int
+    parts: dict[str, int]  # what is on the device, by part
+    free: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    def line(self) -> str:
+        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in self.parts.items() if v >= GIB // 20)
+        where = {"gpu": "on the GPU", "cpu": "in host memory", "disk": "in mapped files"}[self.offload]
+        return (f"{self.device}: {self.total / GIB:.1f} GiB of {self.free / GIB:.1f} free for layer {self.layer}, "
+                f"activations {where} ({parts} GiB)")
+
+
+def layer_parts(layer: Layer, tokens: int, seq_len: int, hidden: int, itemsize: int, resident: bool,
+                stage_bytes: int) -> dict[str, int]:
+    """Bytes on the compute device for one layer, by part (the module docstring says what each is); resident:
+    the activations are on the device too (offload gpu, or a CPU device, whose memory is the host's)."""
+    hessians = sum(4 * n * n for n in layer.hessians)
+    largest = max(layer.hessians, default=0)
+    forward = 12 * seq_len * hidden * itemsize + layer.index_heads * seq_len * seq_len * 4
+    parts = {"layer weights": layer.weights, "expert stack": layer.stack,
+             "dense Hessians": hessians + 2 * 4 * largest * largest, "one sample's forward": forward,
+             "staging": stage_bytes}
+    if resident:
+        act = tokens * hidden * itemsize
+        parts |= {"hidden states": act, "MoE inputs (2 passes)": 2 * act if layer.moe else 0,
+                  "routed sums": 2 * act if layer.moe else 0, "top-k carry": tokens * layer.carry}
+    return parts
+
+
+def account(layers: list[Layer], tokens: int, seq_len: int, hidden: int, itemsize: int, offload: str, device: str,
+            free: int, stage_bytes: int) -> Account:
+    """The largest layer's need under `offload`."""
+    best = None
+    resident = offload == "gpu" or (offload == "cpu" and not device.startswith("cuda"))
+    for layer in layers:
+        parts = layer_parts(layer, tokens, seq_len, hidden, itemsize, resident, stage_bytes)
+        if best is None or sum(parts.values()) > sum(best[1].values()):
+            best = (layer.index, parts)
+    index, parts = best if best else (0, {})
+    return Account(device, offload, index, parts, free)
+
+
+def host_bytes(layers: list[Layer], tokens: int, hidden: int, itemsize: int) -> int:
+    """What `cpu` offload keeps in host memory: the activations the device would otherwise hold."""
+    moe = any(x.moe for x in layers)
+    carry = max((x.carry for x in layers), default=0)
+    return tokens * hidden * itemsize * (1 + (4 if moe else 0)) + tokens * carry
+
+
+def choose(layers: list[Layer], tokens: int, seq_len: int, hidden: int, itemsize: int, offload: str, device: str,
+           free_device: int, free_host: int, stage_bytes: int) -> Account:
+    """`auto`: gpu when the largest layer with every activation on the device fits USABLE of its free memory,
+    else cpu when the host has twice those activations free, else disk (on a CPU device, whose memory is the
+    host's, cpu or disk); the choice as asked otherwise. Whichever it is, the caller refuses an account that
+    does not fit (`fits`)."""
+    def under(kind: str) -> Account:
+        return account(layers, tokens, seq_len, hidden, itemsize, kind, device, free_device, stage_bytes)
+
+    if offload != "auto":
+        return under(offload)
+    if device.startswith("cuda"):
+        on_gpu = under("gpu")
+        if fits(on_gpu):
+            return on_gpu
+    return under("cpu" if 2 * host_bytes(layers, tokens, hidden, itemsize) < free_host else "disk")
+
+
+def fits(a: Account) -> bool:
+    return a.total <= USABLE * a.free
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def refusal(a: Account) -> str:
+    parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in a.parts.items() if v >= GIB // 20)
+    fix = "pass --offload cpu (activations in host memory), or" if a.offload == "gpu" else ""
+    return (f"layer {a.layer} needs {gib(a.total)} on {a.device} with activations offloaded to {a.offload} ({parts} "
+            f"GiB) but {gib(a.free)} is free ({USABLE:.0%} of it usable); {fix} use a device with more memory or "
+            "free some").replace(";  use", "; use")
+
+
+def hessian_widths(targets: list[tuple[str, tuple[int, ...]]]) -> tuple[int, ...]:
+    """The distinct Hessians GPTQ builds for a layer's dense targets: one per parent module and input width
+    (q/k/v share one, gate/up share one, MLA's q_a and kv_a read the same hidden states)."""
+    return tuple(sorted({(name.rsplit(".", 2)[0], shape[1]): shape[1] for name, shape in targets}.values()))
+
+
+def layers_of(entries, itemsize: int, stack_of, gptq: bool, carry: int = 0, index_heads: int = 0) -> list[Layer]:
+    """The decoder layers of a plan's entries (anything with tensor.name, tensor.shape, role and action). Under
+    GPTQ a layer whose routed experts are targets streams them (`stack_of(inter, hidden)`: the bytes of its
+    stacks); otherwise they are built into the layer with its other weights."""
+    by_layer: dict[int, list] = {}
+    for e in entries:
+        if e.role.layer is not None and e.role.kind != "mtp":
+            by_layer.setdefault(e.role.layer, []).append(e)
+    out = []
+    for i, es in sorted(by_layer.items()):
+        gate = next((e for e in es if e.role.kind == "expert" and e.action == "quantize"
+                     and e.tensor.name.endswith("gate_proj.weight")), None)
+        streamed = gptq and gate is not None
+        weights = sum(math.prod(e.tensor.shape) * itemsize for e in es if not (streamed and e.role.kind == "expert"))
+        dense = [(e.tensor.name, tuple(e.tensor.shape)) for e in es
+                 if gptq and e.action == "quantize" and e.role.kind != "expert" and len(e.tensor.shape) == 2]
+        out.append(Layer(i, weights, hessian_widths(dense), stack_of(*gate.tensor.shape) if streamed else 0, streamed,
+                         carry, index_heads))
+    return out

@@ -1,0 +1,387 @@
+#!/usr/bin/env python
+"""Every GPU check in one call, each asserting, each one PASS / FAIL / SKIP line; a failure never stops the others.
+
+    bash scripts/gpu_check.sh [--device cuda|cpu]      (installs the carried wheels, then runs this)
+
+On the lent H200 (`--device cuda`): the CUDA tests; GPTQ on the Kimi, GLM-4.5 and GLM-5 fixtures, run twice and
+under --offload gpu|cpu|disk, every run's bytes identical, with the share of codes that agree with the CPU's; the
+FP4 schemes; --kv-cache fp8; AWQ; TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 giving the same bytes; --resume after a
+SIGKILL giving the same bytes; torchrun --nproc-per-node 2 on one GPU refused in one line; Cholesky failure
+flags of a stack with a non-positive-definite and a NaN Hessian; cuda:1 (when there is a second GPU); and a
+real-shape Kimi K2 MoE layer reduced to 48 of its 384 experts at 512 x 2048 tokens, its seconds per phase and
+the whole model extrapolated to 1 and 8 GPUs. `--device cpu` is the rehearsal: the same checks where a CPU can
+run them (the real-shape layer shrunk), to prove the install chain and the script on a machine without a GPU.
+Results: one JSON and a log per check in $OUT (or .cache/gpu-check).
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+class Skip(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class Ctx:
+    device: str
+    out: Path
+    work: Path
+    fixtures: Path
+    calib: Path
+    cpu_outputs: dict = dataclasses.field(default_factory=dict)
+    cuda_outputs: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+def fresh(path: Path) -> Path:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(path.with_name(path.name + ".partial"), ignore_errors=True)
+    return path
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.glob("*.safetensors"))}
+
+
+def convert(ctx: Ctx, kind: str, out: Path, device: str | None = None, method: str = "gptq", offload: str = "auto",
+            recipe_name: str | None = None, scheme: str = "w4a16", group_size: int = 32, kv: str | None = None,
+            samples: int = 8, seq_len: int = 64) -> dict[str, bytes]:
+    """One calibrated conversion in this process (the library the CLI calls); verified; its shard bytes."""
+    import torch
+
+    from quantize import calib, tensor_plan
+    from quantize import recipe as recipes
+    from quantize.checkpoint import Checkpoint
+    from quantize.engine import devices, stream
+    from quantize.engine.layerwise import Calibrated
+    from quantize.verify import verify
+
+    device = device or ctx.device
+    src = ctx.fixtures / kind
+    r = recipes.load(ROOT / "recipes" / f"{recipe_name}.yaml") if recipe_name else recipes.preset(scheme, group_size,
+                                                                                                   method)
+    r = dataclasses.replace(r, method=method, kv_cache=kv, calibration=dataclasses.replace(
+        r.calibration, data=str(ctx.calib), num_samples=samples, seq_len=seq_len))
+    plan = tensor_plan.build(Checkpoint(src), r, 2**20, device=device)
+    ids = calib.load_samples(str(ctx.calib), calib.load_tokenizer(src), samples, seq_len)
+    devices.bind(device)
+    hook = Calibrated(plan, ids, torch.device(device), offload)
+    try:
+        stream.run(plan, fresh(out), device=device, calibrated=hook)
+    finally:
+        hook.close()
+    report = verify(out)
+    assert report.clean, f"{out.name}: " + "; ".join(f.line() for f in report.findings[:3])
+    if offload != "auto":
+        assert hook.quantizer.stats.offload == offload
+    return files(out)
+
+
+def codes_agree(a: dict[str, bytes], b: dict[str, bytes]) -> float:
+    """The share of INT4 codes (nibbles of every weight_packed) equal between two outputs of the same plan."""
+    import torch
+    from safetensors.torch import load
+
+    same = total = 0
+    for name in a:
+        ta, tb = load(a[name]), load(b[name])
+        for k, t in ta.items():
+            if k.endswith("weight_packed") and t.dtype == torch.int32:
+                x, y = t.view(torch.uint8), tb[k].view(torch.uint8)
+                for shift in (0, 4):
+                    same += int(((x >> shift) & 15).eq((y >> shift) & 15).sum())
+                    total += x.numel()
+    return same / max(total, 1)
+
+
+# ---- the checks ---------------------------------------------------------------------------------------------
+
+@check
+def environment(ctx: Ctx) -> str:
+    import compressed_tensors
+    import torch
+    import transformers
+
+    line = (f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"compressed-tensors {compressed_tensors.__version__}")
+    if ctx.cuda:
+        assert torch.cuda.is_available(), "no CUDA device"
+        p = torch.cuda.get_device_properties(0)
+        line += f", {torch.cuda.device_count()} x {p.name} ({p.total_memory / 2**30:.0f} GiB, sm {p.major}{p.minor})"
+    return line
+
+
+@check
+def cuda_tests(ctx: Ctx) -> str:
+    if not ctx.cuda:
+        raise Skip("the CUDA tests need a GPU; their CPU twins run in .ci/run")
+    log = ctx.out / "cuda-tests.log"
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py"],
+                       cwd=ROOT, capture_output=True, text=True)
+    log.write_text(p.stdout + p.stderr)
+    tail = [x for x in p.stdout.splitlines() if " passed" in x or " failed" in x or " error" in x]
+    assert p.returncode == 0, f"pytest exit {p.returncode}: {tail[-1] if tail else p.stdout[-300:]} (see {log.name})"
+    return tail[-1] if tail else "passed"
+
+
+def _gptq_everywhere(ctx: Ctx, kind: str, recipe_name: str) -> str:
+    base = convert(ctx, kind, ctx.work / f"{kind}-a", recipe_name=recipe_name)
+    again = convert(ctx, kind, ctx.work / f"{kind}-b", recipe_name=recipe_name)
+    assert again == base, "two runs gave different bytes"
+    for offload in ("gpu", "cpu", "disk") if ctx.cuda else ("cpu", "disk"):
+        got = convert(ctx, kind, ctx.work / f"{kind}-{offload}", recipe_name=recipe_name, offload=offload)
+        assert got == base, f"--offload {offload} gave other bytes"
+    ctx.cuda_outputs[kind] = base
+    if not ctx.cuda:
+        return "two runs and every offload: the same bytes"
+    cpu = convert(ctx, kind, ctx.work / f"{kind}-cpu-device", device="cpu", recipe_name=recipe_name)
+    ctx.cpu_outputs[kind] = cpu
+    return f"two runs and --offload gpu|cpu|disk: the same bytes; {codes_agree(base, cpu):.2%} of codes agree with CPU"
+
+
+@check
+def gptq_kimi(ctx: Ctx) -> str:
+    return _gptq_everywhere(ctx, "kimi-k2-fp8", "kimi-k2-w4a16")
+
+
+@check
+def gptq_glm45(ctx: Ctx) -> str:
+    return _gptq_everywhere(ctx, "glm4-moe-bf16", "glm-w4a16")
+
+
+@check
+def gptq_glm5(ctx: Ctx) -> str:
+    return _gptq_everywhere(ctx, "glm5-bf16", "glm-w4a16")
+
+
+@check
+def fp4_schemes(ctx: Ctx) -> str:
+    done = []
+    for scheme in ("nvfp4a16", "nvfp4", "mxfp4a16"):
+        a = convert(ctx, "kimi-k2-fp8", ctx.work / f"fp4-{scheme}-a", scheme=scheme, group_size=128)
+        b = convert(ctx, "kimi-k2-fp8", ctx.work / f"fp4-{scheme}-b", scheme=scheme, group_size=128)
+        assert a == b, f"{scheme}: two runs gave different bytes"
+        done.append(scheme)
+    return f"GPTQ {', '.join(done)}: verified, the same bytes twice"
+
+
+@check
+def kv_cache_fp8(ctx: Ctx) -> str:
+    import torch
+    from safetensors.torch import load
+
+    scales = []
+    for kind, recipe_name in (("kimi-k2-fp8", "kimi-k2-w4a16"), ("llama-bf16", "dense-w4a16")):
+        out = convert(ctx, kind, ctx.work / f"kv-{kind}", recipe_name=recipe_name, kv="fp8")
+        found = {k: v for f in out.values() for k, v in load(f).items() if k.endswith(("k_scale", "v_scale"))}
+        assert found and all(bool(torch.isfinite(v.float()).all() and (v.float() > 0).all()) for v in found.values())
+        scales.append(f"{kind} {len(found)}")
+    return "finite positive K/V scales: " + ", ".join(scales)
+
+
+@check
+def awq(ctx: Ctx) -> str:
+    for kind, recipe_name in (("kimi-k2-fp8", "kimi-k2-w4a16"), ("llama-bf16", "dense-w4a16")):
+        a = convert(ctx, kind, ctx.work / f"awq-{kind}-a", method="awq", recipe_name=recipe_name)
+        b = convert(ctx, kind, ctx.work / f"awq-{kind}-b", method="awq", recipe_name=recipe_name)
+        assert a == b, f"{kind}: two AWQ runs gave different bytes"
+    return "Kimi and Llama: verified, the same bytes twice"
+
+
+def _cli(ctx: Ctx, kind: str, out: Path, *extra: str) -> list[str]:
+    recipe = {"kimi-k2-fp8": "kimi-k2-w4a16", "llama-bf16": "dense-w4a16"}[kind]
+    return [sys.executable, "-m", "quantize", "convert", str(ctx.fixtures / kind), str(out), "--recipe",
+            str(ROOT / "recipes" / f"{recipe}.yaml"), "--method", "gptq", "--calib", str(ctx.calib), "--num-samples",
+            "8", "--seq-len", "64", "--max-shard-size", "200KB", "--device", ctx.device, *extra]
+
+
+@check
+def tf32_override(ctx: Ctx) -> str:
+    """A process whose cuBLAS is forced to TF32 (and whose legacy matmul precision is 'high') gives the same bytes."""
+    out = fresh(ctx.work / "tf32")
+    ref = fresh(ctx.work / "tf32-ref")
+    env = {**os.environ, "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE": "1"}
+    for target, e in ((ref, os.environ), (out, env)):
+        p = subprocess.run(_cli(ctx, "llama-bf16", target), cwd=ROOT, capture_output=True, text=True, env=e)
+        assert p.returncode == 0, p.stderr[-800:]
+    assert files(out) == files(ref), "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 moved the codes"
+    return "the same bytes with TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1"
+
+
+@check
+def resume_after_sigkill(ctx: Ctx) -> str:
+    ref, out = fresh(ctx.work / "resume-ref"), fresh(ctx.work / "resume")
+    p = subprocess.run(_cli(ctx, "kimi-k2-fp8", ref), cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-800:]
+    partial = out.with_name(out.name + ".partial")
+    proc = subprocess.Popen(_cli(ctx, "kimi-k2-fp8", out), cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    killed = False
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if json.loads((partial / "calib" / "layers.json").read_text())["next_layer"] >= 1:
+                proc.send_signal(signal.SIGKILL)
+                killed = True
+                break
+        except (OSError, ValueError, KeyError):
+            pass
+        time.sleep(0.002)
+    proc.wait()
+    assert killed, "the run ended before its first layer checkpoint"
+    p = subprocess.run(_cli(ctx, "kimi-k2-fp8", out, "--resume"), cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-800:]
+    assert files(out) == files(ref), "the resumed output differs from the uninterrupted one"
+    return "SIGKILL after the first layer, --resume: the uninterrupted bytes"
+
+
+@check
+def torchrun_on_one_gpu(ctx: Ctx) -> str:
+    import torch
+
+    if not ctx.cuda:
+        raise Skip("a GPU's refusal; on CPU, torchrun's ranks run (test_gptq's torchrun case)")
+    if torch.cuda.device_count() > 1:
+        raise Skip("more than one GPU: two ranks are legitimate here")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "quantize", "convert",
+           str(ctx.fixtures / "llama-bf16"), str(fresh(ctx.work / "torchrun")), "--scheme", "w4a16", "--group-size",
+           "64", "--method", "gptq", "--calib", str(ctx.calib), "--num-samples", "8", "--seq-len", "64", "--device",
+           "cuda"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    (ctx.out / "torchrun.log").write_text(p.stdout + p.stderr)
+    ours = [x for x in p.stderr.splitlines() if "use --nproc-per-node 1 or fewer" in x]
+    assert p.returncode != 0 and ours, f"exit {p.returncode}, no refusal line (see torchrun.log)"
+    assert "Traceback" not in "".join(x for x in p.stderr.splitlines() if "quantize" in x), "a traceback of ours"
+    return ours[0].strip()
+
+
+@check
+def cholesky_flags(ctx: Ctx) -> str:
+    import torch
+
+    from quantize.quant import gptq, rtn
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(3, 256, 512, generator=g) * 0.05
+    X = torch.randn(3, 1024, 512, generator=g)
+    H = torch.einsum("eni,enj->eij", X, X)
+    H[1] = -torch.eye(512)  # not positive definite
+    H[2, 3, 5] = float("nan")
+    scale = torch.stack([rtn.group_qparams(w, 32)[0] for w in W])
+    dev = torch.device(ctx.device)
+    codes, fallback = gptq.gptq_quantize_batched(W.to(dev), H.to(dev), scale.to(dev))
+    assert fallback.tolist() == [False, True, True], fallback.tolist()
+    for e in (1, 2):
+        assert torch.equal(codes[e].cpu(), rtn.quantize_groups(W[e], scale[e])), f"expert {e}: not RTN's codes"
+    solo, _ = gptq.gptq_quantize(W[0].to(dev), H[0].clone().to(dev), scale[0].to(dev))
+    assert torch.equal(codes[0], solo), "the positive definite one is not its solo solve"
+    return "flags [False, True, True]: RTN for the two broken Hessians, the solo codes for the good one"
+
+
+@check
+def second_gpu(ctx: Ctx) -> str:
+    import torch
+
+    if not ctx.cuda or torch.cuda.device_count() < 2:
+        raise Skip("one GPU: cuda:1 is pinned by tests/test_devices.py on CPU")
+    a = convert(ctx, "kimi-k2-fp8", ctx.work / "cuda1", device="cuda:1", recipe_name="kimi-k2-w4a16")
+    assert a == ctx.cuda_outputs.get("kimi-k2-fp8", a), "cuda:1 gave other bytes than cuda:0"
+    return "cuda:1: the bytes of cuda:0"
+
+
+@check
+def kimi_layer(ctx: Ctx) -> str:
+    if ctx.cuda:
+        dims = ["--experts", "48", "--num-samples", "512", "--seq-len", "2048"]  # Kimi K2's shapes, 48 of 384
+    else:
+        dims = ["--experts", "8", "--hidden", "512", "--moe-inter", "256", "--heads", "4", "--num-samples", "16",
+                "--seq-len", "128"]
+    result = ctx.out / "kimi-layer.json"
+    p = subprocess.run([sys.executable, "scripts/bench.py", "moe-layer", *dims, "--device", ctx.device, "--work",
+                        str(ctx.work / "bench"), "--json", str(result)], cwd=ROOT, capture_output=True, text=True)
+    (ctx.out / "kimi-layer.log").write_text(p.stdout + p.stderr)
+    assert p.returncode == 0, p.stderr[-800:]
+    r = json.loads(result.read_text())
+    full_layer = r["moe_layer_seconds"] * 384 / int(dims[1])
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in r["seconds_per_phase"][1].items())
+    line = (f"MoE layer {r['moe_layer_seconds']:.1f} s with {dims[1]} experts ({phases} s), {full_layer:.1f} s for 384; "
+            f"Kimi K2 {r['kimi_k2_extrapolated_hours_1_device']:.2f} h on 1 GPU, "
+            f"{r['kimi_k2_extrapolated_hours_8_devices']:.2f} h on 8")
+    if ctx.cuda:
+        assert full_layer <= 60, f"over 60 s per layer: {line}"
+    return line
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda (the lent GPU) or cpu (the rehearsal)")
+    ap.add_argument("--only", help="comma-separated check names")
+    args = ap.parse_args()
+    out = Path(os.environ.get("OUT") or ROOT / ".cache" / "gpu-check")
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(os.environ.get("GPU_CHECK_WORK", "/tmp/gpu-check"))
+    work.mkdir(parents=True, exist_ok=True)
+    import pydoc_data.topics
+
+    import make_fixture
+
+    t0 = time.perf_counter()
+    fixtures = work / "fixtures"
+    for kind in ("kimi-k2-fp8", "glm4-moe-bf16", "glm5-bf16", "llama-bf16"):
+        if not (fixtures / kind / "config.json").exists():
+            make_fixture.build(kind, fixtures / kind)
+    calib = work / "calib.txt"
+    calib.write_text("\n\n".join(v for _, v in sorted(pydoc_data.topics.topics.items())))
+    print(f"fixtures ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    ctx = Ctx(args.device, out, work, fixtures, calib)
+    wanted = set(args.only.split(",")) if args.only else None
+    results = []
+    for fn in CHECKS:
+        if wanted and fn.__name__ not in wanted:
+            continue
+        t = time.perf_counter()
+        try:
+            status, detail = "PASS", fn(ctx)
+        except Skip as e:
+            status, detail = "SKIP", str(e)
+        except Exception as e:  # every check runs: a failure is reported, never fatal
+            status, detail = "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            (out / f"{fn.__name__}.traceback").write_text(traceback.format_exc())
+        seconds = time.perf_counter() - t
+        results.append({"check": fn.__name__, "status": status, "seconds": round(seconds, 1), "detail": detail})
+        print(f"{status} {fn.__name__} ({seconds:.1f} s): {detail}", flush=True)
+    total = time.perf_counter() - t0
+    (out / "gpu-check.json").write_text(json.dumps({"device": args.device, "seconds": round(total, 1),
+                                                    "results": results}, indent=1))
+    failed = [r["check"] for r in results if r["status"] == "FAIL"]
+    print(f"{'FAIL' if failed else 'PASS'} all ({total:.0f} s): {len(results) - len(failed)} of {len(results)} "
+          f"passed or skipped" + (f"; failed: {', '.join(failed)}" if failed else ""), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The GPU memory account of the layerwise engine at real shapes (engine/memory.py), from the real configs in
+tests/data and the release recipes: what one Kimi K2 or GLM-5 layer holds on an H200 and an H100 with 512 samples
+of 2048 tokens, the offload it must choose, and the line it prints. Pure arithmetic: no GPU, no weights."""
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import RECIPES
+
+from quantize import recipe, serving
+from quantize.arch.layout import from_config
+from quantize.engine import experts, memory
+
+DATA = Path(__file__).parent / "data"
+MIB = 2**20
+H200, H100 = (143771 - 1024) * MIB, (81559 - 1024) * MIB  # nvidia-smi's totals, less a CUDA context
+HOST = 1536 * 2**30  # a GPU box's free host memory
+TOKENS, SEQ = 512 * 2048, 2048
+
+
+def layers(config: str, recipe_name: str) -> tuple[list[memory.Layer], int]:
+    """The decoder layers of the config under the recipe (targets as tensor_plan.build picks them), GPTQ, bf16."""
+    model, layout = from_config(json.loads((DATA / config).read_text()))
+    r = recipe.load(RECIPES / f"{recipe_name}.yaml")
+    entries = []
+    for name, shape in layout:
+        role = model.role(name, len(shape))
+        targeted = r.targets_module(role.module, role.linear) and not serving.keep_float(model.arch.family,
+                                                                                         role.module, False)
+        entries.append(SimpleNamespace(tensor=SimpleNamespace(name=name, shape=shape), role=role,
+                                       action="quantize" if targeted else "keep"))
+    gpu = torch.device("cuda")
+
+    def stack_of(inter, hidden):
+        return experts.stack_size(inter, hidden, torch.bfloat16, gpu) * experts.expert_bytes(inter, hidden, torch.bfloat16)
+
+    tc = model.text_config
+    dsa = model.arch.family == "glm_moe_dsa"
+    return memory.layers_of(entries, 2, stack_of, True, carry=8 * (tc.get("index_topk") or 0) * dsa,
+                            index_heads=(tc.get("index_n_heads") or 0) * dsa), model.hidden_size
+
+
+def choose(config, recipe_name, free, offload="auto"):
+    ls, hidden = layers(config, recipe_name)
+    return memory.choose(ls, TOKENS, SEQ, hidden, 2, offload, "cuda:0", free, HOST, memory.GIB // 4)
+
+
+@pytest.mark.parametrize("config, recipe_name, gpu, free, offload, total", [
+    ("kimi-k2-instruct-config.json", "kimi-k2-w4a16", "H200", H200, "gpu", 101.9),
+    ("kimi-k2-instruct-config.json", "kimi-k2-w4a16", "H100", H100, "cpu", 31.9),
+    ("glm-5-fp8-config.json", "glm-w4a16", "H200", H200, "gpu", 108.2),
+    ("glm-5-fp8-config.json", "glm-w4a16", "H100", H100, "cpu", 32.2),
+])
+def test_a_layer_at_512_x_2048_tokens_chooses_its_offload_by_what_the_gpu_holds(config, recipe_name, gpu, free, offload,
+                                                                                total):
+    a = choose(config, recipe_name, free)
+    assert a.offload == offload and memory.fits(a)
+    assert round(a.total / memory.GIB, 1) == total, a.line()
+    # counted whatever the offload: the stack of routed experts (Kimi: 26 of 1.28 GB), the layer's other weights
+    assert a.parts["expert stack"] > 30 * memory.GIB and a.parts["layer weights"] < memory.GIB
+    line = a.line()
+    assert line.startswith(f"cuda:0: {total} GiB of {free / memory.GIB:.1f} free for layer ")
+    if offload == "gpu":  # the activations, which offload moves: hidden states, the MoE inputs twice, the sums
+        assert a.parts["hidden states"] == TOKENS * (7168 if "kimi" in config else 6144) * 2
+        assert a.parts["MoE inputs (2 passes)"] == a.parts["routed sums"] == 2 * a.parts["hidden states"]
+        assert "activations on the GPU" in line
+    else:
+        assert "hidden states" not in a.parts and "activations in host memory" in line
+    if "glm-5" in config and offload == "gpu":  # DSA's top-k indices: 2048 int64 a token, 16 GiB at 1M tokens
+        assert a.parts["top-k carry"] == TOKENS * 2048 * 8
+
+
+def test_an_offload_that_cannot_fit_is_refused_with_its_numbers():
+    a = choose("kimi-k2-instruct-config.json", "kimi-k2-w4a16", H100, offload="gpu")  # asked for, 101.9 GiB
+    assert not memory.fits(a)
+    msg = memory.refusal(a)
+    assert msg.startswith("layer 1 needs 101.9 GiB on cuda:0 with activations offloaded to gpu (")
+    assert "78.6 GiB is free" in msg and "--offload cpu" in msg
+    small = choose("kimi-k2-instruct-config.json", "kimi-k2-w4a16", 24 * memory.GIB)  # not even the stack fits
+    assert small.offload == "cpu" and not memory.fits(small) and "expert stack 31.1" in memory.refusal(small)
