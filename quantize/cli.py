@@ -797,7 +797,8 @@ def _gate_table(run) -> None:
         return
     style = {"PASS": "green", "FAIL": "bold red", "ERROR": "bold red", "INCONCLUSIVE": "yellow"}
     at = gate.HEADER.index("verdict")
-    t = Table(title=f"gate: {run.meta['candidate']} vs {run.meta['baseline']} (baseline {run.baseline_from})",
+    t = Table(title=f"gate: {run.meta['candidate']} vs {run.meta['baseline']} (baseline {run.baseline_from}, "
+                    f"candidate {run.candidate_from})",
               title_justify="left")
     for col in gate.HEADER[:-1]:  # the reasons of failures follow the table
         t.add_column(col, overflow="fold")

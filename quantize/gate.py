@@ -315,6 +315,7 @@ class GateRun:
     baseline_from: str  # evaluated, cache FILE, file FILE, or none
     meta: dict
     allow_inconclusive: bool = False
+    candidate_from: str = "evaluated"  # or cache FILE
 
     @property
     def passed(self) -> bool:
@@ -326,7 +327,8 @@ class GateRun:
 
     def to_dict(self) -> dict:
         return {"passed": self.passed if self.baseline is not None else None, "outcome": self.outcome, "meta": self.meta,
-                "baseline_from": self.baseline_from, "verdicts": [v.to_dict() for v in self.verdicts],
+                "baseline_from": self.baseline_from, "candidate_from": self.candidate_from,
+                "verdicts": [v.to_dict() for v in self.verdicts],
                 "baseline": self.baseline, "candidate": self.candidate}
 
 
@@ -386,39 +388,45 @@ def run_gate(candidate: str, baseline: str | None = None, baseline_results: Path
                        + " and lm-eval cut them from the left (--verbose lists each)")
             return out
 
-        base, base_from = None, "none"
-        if given is not None:
-            base = given
-            base_from = f"file {baseline_results}"
-        elif baseline is not None:
-            folder, info = hub.resolve(baseline)
+        cache = Path(cache_dir or lmeval.default_cache_dir())
+
+        def results(src: str, who: str, reuse: bool) -> tuple[dict, str]:
+            """The model's results per task from the cache where they are (keyed by its content, the task's
+            definition and every setting), else evaluated and cached; and where they came from."""
+            folder, info = hub.resolve(src)
             identity = lmeval.model_identity(folder, info)
-            cache = Path(cache_dir or lmeval.default_cache_dir())
             files = {t: cache / f"{lmeval.cache_key(identity, t, lmeval.task_fingerprint(t, data_dir, ppl_text), settings)}"
                      ".json" for t in tasks}
-            parts = {t: _read_results(f) for t, f in files.items() if use_cache and f.is_file()}
+            parts = {t: _read_results(f) for t, f in files.items() if reuse and f.is_file()}
             todo = [t for t in tasks if t not in parts]
             if parts:
-                status(f"baseline results of {', '.join(parts)} from the cache in {cache}")
-                base_from = f"cache {cache}" + (f", evaluated {', '.join(todo)}" if todo else "")
-            else:
-                base_from = "evaluated"
+                status(f"{who} results of {', '.join(parts)} from the cache in {cache}")
+            came = (f"cache {cache}" + (f", evaluated {', '.join(todo)}" if todo else "")) if parts else "evaluated"
             if todo:
-                fresh = evaluate(baseline, "baseline", todo)
+                fresh = evaluate(src, who, todo)
                 cache.mkdir(parents=True, exist_ok=True)
                 for t in todo:
                     parts[t] = lmeval.task_part(fresh, t)
                     tmp_file = files[t].with_suffix(".tmp")
                     tmp_file.write_text(json.dumps(parts[t]))
                     tmp_file.replace(files[t])  # whole or absent: a killed run never leaves half a result
-            base = lmeval.merge([parts[t] for t in tasks])
-        cand = evaluate(candidate, "candidate", tasks)
+            return lmeval.merge([parts[t] for t in tasks]), came
+
+        base, base_from = None, "none"
+        if given is not None:
+            base = given
+            base_from = f"file {baseline_results}"
+        elif baseline is not None:
+            base, base_from = results(baseline, "baseline", use_cache)
+        # the candidate too: gating it again (another gate file, a rerun of release) costs no evaluation; with
+        # --log-samples it is evaluated, for its per-sample outputs
+        cand, cand_from = results(candidate, "candidate", use_cache and log_samples is None)
     verdicts = judge_all(thresholds, base, cand) if base is not None else []
     meta = {"candidate": candidate, "baseline": baseline or (str(baseline_results) if baseline_results else None),
             "ppl_text": str(ppl_text) if ppl_text else None, "allow_inconclusive": allow_inconclusive,
             "tasks": tasks, **settings, "data": str(data_dir) if data_dir else "lm-eval's Hub datasets",
             "lm_eval": cand.get("meta", {}).get("lm_eval"), "cpu_capability": _cpu_capability(device, backend)}
-    return GateRun(verdicts, cand, base, base_from, meta, allow_inconclusive)
+    return GateRun(verdicts, cand, base, base_from, meta, allow_inconclusive, cand_from)
 
 
 def _check_ppl_text(ppl_text: Path | None, candidate: str) -> Path:

@@ -82,8 +82,9 @@ def smollm2() -> Path:
 
 @pytest.fixture(scope="session")
 def eval_cache(tmp_path_factory) -> Path:
-    """One baseline-results cache for the tests that gate on SmolLM2: its baseline is evaluated once (results are
-    keyed by content, task definition and settings, as for any user; each candidate is always evaluated)."""
+    """One results cache for the tests that gate on SmolLM2: a model is evaluated once per task and settings
+    (results are keyed by content, task definition and settings, as for any user), so the RTN candidate that
+    several tests and the README gate is evaluated once in a session."""
     return tmp_path_factory.mktemp("quantize-cache") / "eval"  # as QUANTIZE_CACHE=<parent> lays it out
 
 
