@@ -22,7 +22,7 @@ import torch
 from quantize.arch import layout
 from quantize.errors import QuantizeError
 from quantize.hub import snapshot_roots
-from quantize.quant import fp4, fp8, pack, rtn
+from quantize.quant import fp4, fp8, lattice, pack, rtn
 from quantize.safetensors_file import TensorInfo, read_header, read_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -306,6 +306,13 @@ class Checkpoint:
         if self.allow_nonfinite and w.is_floating_point():
             w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)  # what gets quantized keeps finite scales
         return w
+
+    def lattice(self, t: LogicalTensor, group_size: int, device: torch.device | str = "cpu"):
+        """A symmetric INT4 source weight's lattice under target groups of `group_size` (quant/lattice.py:
+        (step, held) per target group), or None for any other source weight."""
+        if t.encoding != "ct-int4" or "weight_zero_point" in t.parts or not group_size:
+            return None
+        return lattice.steps(read_tensor(t.parts["weight_scale"]).to(device), t.shape[1], group_size)
 
     def check_finite(self, t: LogicalTensor, w: torch.Tensor) -> None:
         """A NaN or Inf in a source weight would become a NaN scale, or a broken model that loads fine."""

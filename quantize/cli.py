@@ -314,13 +314,18 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
               help="Columns per scale, with --scheme.")
 @click.option("--method", type=click.Choice(["rtn", "gptq", "awq"]), help="Overrides the recipe's method (default rtn).")
-@click.option("--calib", help="Calibration data for gptq/awq: .jsonl/.txt/.parquet file or Hub dataset org/name[:split].")
+@click.option("--calib", help="Calibration data: .jsonl/.txt/.parquet file or Hub dataset org/name[:split]. gptq and "
+              "awq need it; with rtn it chooses each group's scale by the inputs' E[x^2] (one forward per layer).")
 @click.option("--num-samples", type=click.IntRange(1), help="Calibration samples [recipe, else 512].")
 @click.option("--seq-len", type=click.IntRange(8), help="Tokens per calibration sample at most [recipe, else 2048].")
 @click.option("--seed", type=int, help="Seed that picks the samples [recipe, else 0].")
 @click.option("--calibrate-all-experts", is_flag=True, default=None,
               help="Every token through every expert for the statistics (outputs keep the true routing).")
 @click.option("--min-expert-tokens", type=click.IntRange(0), help="Experts routed fewer tokens fall back to RTN [16].")
+@click.option("--scales", type=click.Choice(recipes.SCALE_RULES),
+              help="gptq: each group's scale as the clip of least error weighted by its block of the inputs' Hessian "
+              "(hessian, the default) or from its weights' min/max (minmax: llm-compressor's bytes); GPTQ then runs "
+              "unchanged under it [recipe].")
 @click.option("--offload", type=click.Choice(["auto", "gpu", "cpu", "disk"]), default="auto", show_default=True,
               help="Where calibration activations live.")
 @click.option("--trust-remote-code", is_flag=True, help="Let the checkpoint's tokenizer code run (calibration only).")
@@ -354,7 +359,7 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @VERBOSE_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_samples, seq_len, seed,
-            calibrate_all_experts, min_expert_tokens, offload, trust_remote_code, device, compute_dtype, devices,
+            calibrate_all_experts, min_expert_tokens, scales, offload, trust_remote_code, device, compute_dtype, devices,
             rank_timeout, max_shard_size, workers, tp, overwrite, resume, allow_nonfinite, kv_cache, prefill_out,
             prefill_recipe, verbose, as_json):
     """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT, or W4AFP8 (--scheme w4afp8: the
@@ -362,7 +367,9 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
     (--scheme nvfp4a16 | nvfp4 | mxfp4a16), or INT4 and FP8 blocks at once (--prefill-out: FP8 for prefill servers).
 
     \b
-    Methods: rtn streams tensor by tensor (no data, no model). gptq and awq run the layerwise engine:
+    Methods: rtn streams tensor by tensor (no data, no model); with --calib it runs each layer once over the
+    samples and chooses every group's scale by the error weighted by its inputs' E[x^2]. gptq and awq run the
+    layerwise engine:
     calibration samples go through one decoder layer at a time; gptq quantizes each Linear against the
     Hessian of its real inputs (routed experts one at a time, with the tokens the router sends them); awq
     rescales input channels between each norm and the Linears it feeds, then rounds to nearest.
@@ -377,6 +384,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
       quantize convert moonshotai/Kimi-K2-Instruct out/k2-int4 --recipe recipes/kimi-k2-w4a16.yaml --tp 8
       quantize convert ./Llama-3.1-8B out/llama-int4 --scheme w4a16 --group-size 128
       quantize convert ./SmolLM2 out/smol-gptq --scheme w4a16 --group-size 64 --method gptq --calib train.jsonl
+      quantize convert ./SmolLM2 out/smol-rtn --scheme w4a16 --group-size 64 --calib train.jsonl --num-samples 32
       quantize convert zai-org/GLM-4.6 out/glm-int4 --recipe recipes/glm-w4a16.yaml --resume
       quantize convert zai-org/GLM-5 out/glm5-int4 --recipe recipes/glm-w4a16.yaml --prefill-out out/glm5-fp8
     """
@@ -390,9 +398,13 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
                                            calibrate_all_experts=calibrate_all_experts,
                                            min_expert_tokens=min_expert_tokens).items() if v is not None}
         r = dataclasses.replace(r, method=method or r.method, calibration=dataclasses.replace(r.calibration, **overrides),
-                                kv_cache=kv_cache or r.kv_cache)
+                                kv_cache=kv_cache or r.kv_cache,
+                                gptq=dataclasses.replace(r.gptq, scales=scales) if scales else r.gptq)
         if r.kv_cache and r.method == "rtn":
             raise click.UsageError("--kv-cache fp8 calibrates its scales: use --method gptq or awq with --calib")
+        if r.calibrated and r.method == "rtn" and (r.scheme.fp8_block or not r.scheme.symmetric):
+            raise click.UsageError("--calib with --method rtn chooses symmetric INT4 or FP4 scales; FP8 blocks and "
+                                   "asymmetric INT4 keep their min/max scales: leave --calib out")
         if r.method != "rtn" and not r.calibration.data:
             raise click.UsageError(f"--method {r.method} needs calibration data: --calib FILE or the recipe's calibration.data")
         local = hub.check_local(src)  # a missing path fails here, before torch is imported
@@ -442,7 +454,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         prefill = None
         if prefill_out:
             r2 = recipes.load(Path(prefill_recipe)) if prefill_recipe else r.fp8_block_variant()
-            if r2.method != "rtn":
+            if r2.calibrated:
                 raise click.UsageError("--prefill-recipe: the second output is written in the same pass, data-free; "
                                        "give it method rtn")
             plan, plan2 = tensor_plan.pair(plan, tensor_plan.build(ckpt, r2, max_shard_size, tp=tp, workers=workers,
@@ -465,9 +477,9 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         with Progress(
             TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), BytesOnly(DownloadColumn()),
             BytesOnly(TransferSpeedColumn()), TimeRemainingColumn(), console=err, transient=as_json,
-        ) as bar, quiet.libraries(verbose or r.method == "rtn"):  # rtn loads no transformers model
+        ) as bar, quiet.libraries(verbose or not r.calibrated):  # rtn loads no transformers model
             task = bar.add_task("converting", total=plan.src_bytes, bytes=True)
-            if r.method != "rtn":
+            if r.calibrated:
                 calibrated = _calibration(plan, folder, r, dev, offload, trust_remote_code, bar, device_list,
                                           compute_dtype, launch)
             result = stream.run(
@@ -523,6 +535,11 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             "compute_dtype": str(calibrated.compute).removeprefix("torch."),
             "cpu_capability": calibrated.cpu_capability,
             "offload": stats.offload,
+            "samples": r.calibration.num_samples, "seq_len": r.calibration.seq_len, "seed": r.calibration.seed,
+            # what chose each group's scale: min/max, the Hessian's diagonal blocks, the inputs' E[x^2] (rtn), AWQ
+            "scales": {"gptq": r.gptq.scales, "rtn": "inputs-x2", "awq": "awq"}[r.method],
+            **({"gptq": {"scales": r.gptq.scales, "dampening": r.gptq.dampening,
+                         "dampening_frac": r.gptq.dampening_frac}} if r.method == "gptq" else {}),
             "memory": {"device": calibrated.account.device, "layer": calibrated.account.layer,
                        "bytes": calibrated.account.total, "free": calibrated.account.free,
                        "parts": calibrated.account.parts},
@@ -824,7 +841,8 @@ def _gate_table(run) -> None:
               help="lm-eval backend for the gate (vllm on a GPU runner).")
 @click.option("--eval-tp", type=click.IntRange(1, 64), default=1, show_default=True, help="TP size for vllm/sglang eval.")
 @click.option("--device", default="auto", show_default=True, help="convert and the hf eval backend: auto, cpu, cuda[:N].")
-@click.option("--calib", help="Calibration data for gptq/awq recipes (else the recipe's calibration.data).")
+@click.option("--calib", help="Calibration data for gptq/awq recipes, or for an rtn recipe's scale choice (else the "
+              "recipe's calibration.data).")
 @click.option("--data-dir", type=click.Path(exists=True, file_okay=False),
               help="Local copies of the eval data (layout of ../shared/data) instead of the Hub datasets.")
 @click.option("--limit", type=click.IntRange(1), help="At most N samples per task: smoke releases only.")

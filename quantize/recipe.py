@@ -16,6 +16,8 @@ from quantize import hf
 from quantize.errors import UsageError
 
 METHODS = ("rtn", "gptq", "awq")
+SCALE_RULES = ("minmax", "hessian")
+DAMPING_RULES = ("fixed", "tokens")
 GROUP_SIZES = (32, 64, 128)
 RECIPE_KEYS = {"name", "description", "method", "scheme", "targets", "ignore", "gptq", "awq", "calibration", "kv_cache"}
 KV_CACHE = ("fp8",)
@@ -26,6 +28,13 @@ class GPTQParams:
     dampening_frac: float = 0.01
     block_size: int = 128
     actorder: str | None = "static"  # static: columns by descending Hessian diagonal, groups unchanged
+    # hessian: the clip of least error weighted by the group's block of H (quant/scales.py), then GPTQ unchanged
+    # under it (measured: README, "Better than llm-compressor in the same bytes"); minmax: each group's scale
+    # from its weights alone (llm-compressor's GPTQ, byte for byte)
+    scales: str = "hessian"
+    # tokens: more than dampening_frac for a Hessian built from fewer tokens than its width (a thinly routed
+    # expert's, gptq.damping); fixed: dampening_frac of the mean diagonal for every Hessian (llm-compressor's)
+    dampening: str = "tokens"
 
 
 @dataclass(frozen=True)
@@ -140,6 +149,12 @@ class Recipe:
     kv_cache: str | None = None  # "fp8": calibrate per-layer FP8 KV cache scales (calibrated methods only)
     source: str = field(default="", compare=False)
 
+    @property
+    def calibrated(self) -> bool:
+        """Whether the layers run calibration forwards: gptq and awq always; rtn with calibration data chooses
+        each group's scale by the error weighted by its inputs' E[x^2] (one forward per layer, no Hessian)."""
+        return self.method != "rtn" or self.calibration.data is not None
+
     def targets_module(self, module: str, is_linear: bool) -> bool:
         """Whether a module is quantized: a Linear that a target names and no ignore pattern matches."""
         if not is_linear or any(matches(p, module) for p in self.ignore):
@@ -190,6 +205,7 @@ class Recipe:
         }
         if self.method != "rtn":
             d[self.method] = vars(getattr(self, self.method))
+        if self.calibrated:
             d["calibration"] = vars(self.calibration)
         if self.kv_cache:
             d["kv_cache"] = self.kv_cache
@@ -273,6 +289,9 @@ def from_dict(raw: object, where: str) -> Recipe:
     gptq = _section(GPTQParams, raw.get("gptq"), "gptq", where)
     if not 0 <= gptq.dampening_frac < 1 or gptq.block_size < 1 or gptq.actorder not in ("static", None):
         raise UsageError(f"{where}: gptq needs 0 <= dampening_frac < 1, block_size >= 1, actorder static or null")
+    if gptq.scales not in SCALE_RULES or gptq.dampening not in DAMPING_RULES:
+        raise UsageError(f"{where}: gptq scales must be one of {', '.join(SCALE_RULES)}, dampening one of "
+                         f"{', '.join(DAMPING_RULES)}")
     awq_params = _section(AWQParams, raw.get("awq"), "awq", where)
     if awq_params.n_grid < 2 or awq_params.max_tokens < 1:
         raise UsageError(f"{where}: awq needs n_grid >= 2 and max_tokens >= 1")
@@ -292,6 +311,9 @@ def from_dict(raw: object, where: str) -> Recipe:
     if kv_cache and method == "rtn":
         raise UsageError(f"{where}: kv_cache scales are calibrated: use method gptq or awq with calibration data")
     calibration = _section(Calibration, raw.get("calibration"), "calibration", where)
+    if calibration.data is not None and method == "rtn" and (scheme.fp8_block or not scheme.symmetric):
+        raise UsageError(f"{where}: calibrated rtn chooses symmetric INT4 or FP4 scales; FP8 blocks and asymmetric "
+                         "INT4 keep their min/max scales: leave calibration.data out")
     if calibration.num_samples < 1 or calibration.seq_len < 8 or calibration.min_expert_tokens < 0:
         raise UsageError(f"{where}: calibration needs num_samples >= 1, seq_len >= 8, min_expert_tokens >= 0")
     return Recipe(

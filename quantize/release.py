@@ -167,9 +167,18 @@ def model_card(*, repo_id: str, base_model: str | None, license: str | None, rec
               f"| recipe | `{recipe.name}` |", f"| method | {recipe.method} |", f"| scheme | {s.label} |",
               f"| targets | {', '.join(f'`{t}`' for t in recipe.targets)} |",
               f"| ignored | {', '.join(f'`{t}`' for t in recipe.ignore)} |"]
-    if recipe.method != "rtn":
+    if recipe.calibrated:
         c = recipe.calibration
         lines.append(f"| calibration | {c.num_samples} samples x {c.seq_len} tokens of `{c.data}`, seed {c.seed} |")
+    if recipe.method == "rtn" and recipe.calibrated:
+        lines.append("| scales | round to nearest, each group's clip chosen by its error weighted by the calibration "
+                     "inputs' E[x^2] |")
+    if recipe.method == "gptq":
+        g = recipe.gptq
+        scale_rule = "chosen by the Hessian" if g.scales == "hessian" else "min/max"
+        lines.append(f"| GPTQ | scales {scale_rule}; dampening {g.dampening_frac} of the mean diagonal"
+                     + (", more for experts routed fewer tokens than their width" if g.dampening == "tokens" else "")
+                     + f"; blocks of {g.block_size}; activation order {g.actorder or 'none'} |")
     if recipe.kv_cache:
         lines.append("| KV cache | FP8 e4m3 scales per layer (`k_scale` / `v_scale`) |")
     counts = plan_summary.get("quantized_modules_by_kind", {})

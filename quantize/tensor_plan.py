@@ -14,9 +14,9 @@ from quantize import arch, serving
 from quantize.arch import layout
 from quantize.checkpoint import FP4_FORMATS, Checkpoint, LogicalTensor
 from quantize.errors import QuantizeError, UsageError
-from quantize.quant import fp8
+from quantize.quant import fp8, lattice, pack
 from quantize.recipe import Recipe
-from quantize.safetensors_file import DTYPE_NAMES, TensorSpec
+from quantize.safetensors_file import DTYPE_NAMES, TensorSpec, read_tensor
 
 TP_SIZES = (1, 2, 4, 8, 16)
 # decode (fp32) + model-dtype copy + scaled copy + codes + packed, per element, over the stored bytes
@@ -224,10 +224,11 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
             f"recipe {recipe.name} quantizes nothing in this {model.model_type} checkpoint; check its targets and ignore"
         )
     if ckpt.format.kind == "ct-int4":
-        if not passthrough and any(e.tensor.encoding == "ct-int4" and e.action == "quantize" for e in entries):
+        requantized = [e for e in entries if e.tensor.encoding == "ct-int4" and e.action == "quantize"]
+        if not passthrough and requantized:
             warnings.append(
                 f"source is INT4 {ckpt.format.group_size=} {ckpt.format.symmetric=}; a different scheme dequantizes and "
-                "re-quantizes its weights (error compounds)"
+                "re-quantizes its weights (error compounds)" + _lattice_note(requantized[0], recipe.scheme)
             )
         if any(e.action == "dequantize" and e.tensor.encoding == "ct-int4" for e in entries):
             warnings.append("INT4 source weights the recipe does not target are written back as BF16 (larger)")
@@ -271,7 +272,7 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
         warnings.append(f"TP {tp} is outside what Marlin kernels serve for these shapes (TP {served or 'none'})")
     if recipe.kv_cache:
         entries += kv_scale_entries(model, dtype)
-    if recipe.method != "rtn":
+    if recipe.calibrated:
         # the calibrated engine finishes one layer at a time: lay the output out layer by layer
         entries.sort(key=_layer_order)
     shards = _assign_shards(entries, max_shard_size)
@@ -319,6 +320,20 @@ def kv_scale_entries(model: arch.Model, dtype: str) -> list[Entry]:
             t = LogicalTensor(name, (1,), "float", {})
             out.append(Entry(t, model.role(name, 1), "kv_scale", (TensorSpec(name, dtype, (1,)),)))
     return out
+
+
+def _lattice_note(e: Entry, scheme) -> str:
+    """What becomes of a symmetric INT4 source's lattice (quant/lattice.py), read from one weight's codes: on
+    -7..7 it was trained for (Kimi K2-Thinking / K2.5 / K2.6), which min/max round to nearest never gives."""
+    t = e.tensor
+    if "weight_zero_point" in t.parts:
+        return ""
+    low, high = lattice.codes_range(pack.unpack_int4(read_tensor(t.parts["weight_packed"]))[:, : t.shape[1]])
+    trained = " (its codes lie on -7..7: quantization-aware trained, as Kimi K2-Thinking's)" if low >= -7 else ""
+    if scheme.fp4:
+        return f"; FP4 holds no INT4 lattice{trained}"
+    return (f"; its lattice{trained} is kept where a target group of {scheme.group_size} holds it (its source groups "
+            "share one scale): those codes and scales stay the source's")
 
 
 def _layer_order(e: Entry) -> int:

@@ -361,6 +361,11 @@ def _deep(headers: dict[str, dict[str, TensorInfo]], source: Path | None, manife
         if method == "rtn":
             step = scale.float().repeat_interleave(w.shape[1] // scale.shape[1], dim=1)
             excess = (w - deq).abs() - (0.5 * step * (1 + 2**-7) + w.abs() * 2**-7)
+            # a scale chosen by calibration (or any below min/max) clips: a code at the grid's edge may stand
+            # for a weight further out, on its own side
+            q = 2 ** (int(scheme.get("num_bits") or 4) - 1)
+            edge = (codes == -q) | (codes == q - 1) if zp is None else torch.zeros_like(w, dtype=torch.bool)
+            excess = torch.where(edge & ((w - deq) * deq > 0), 0.0, excess)
             if bool((excess > 0).any()):
                 find(Finding(infos[name].path.name, module, f"{int((excess > 0).sum())} elements further than half a "
                              "scale step from the source"))
@@ -425,5 +430,7 @@ def _deep_fp4(infos: dict[str, TensorInfo], ckpt, nvfp4: bool, method: str, repo
             continue
         step = step.repeat_interleave(w.shape[1] // step.shape[1], dim=1)
         excess = (w - deq).abs() - (step * (1 + 2**-3) + w.abs() * 2**-4 + 2**-20)
+        edge = deq.abs() >= 6 * step * (1 - 2**-10)  # the largest e2m1 value: a calibrated scale clips there
+        excess = torch.where(edge & ((w - deq) * deq > 0), 0.0, excess)
         if bool((excess > 0).any()):
             find(Finding(file, module, f"{int((excess > 0).sum())} elements further from the source than FP4 rounding"))

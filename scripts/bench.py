@@ -7,6 +7,9 @@
     python scripts/bench.py scale [--layers 12 --hidden 2048 --inter 5632] [--work DIR] [--json FILE]
     python scripts/bench.py moe-layer [--experts 384 --hidden 7168 --moe-inter 2048] [--device cuda] [--json FILE]
     python scripts/bench.py moe-ranks [--experts 128 --hidden 512 --moe-inter 512] [--old REV] [--json FILE]
+    python scripts/bench.py gptq --dither 0.25 --seeds 0,1,2,3 --scales minmax,hessian --rtn-samples 32
+    python scripts/bench.py experts [--tokens 64,192,576,2304] [--dampings 0.01,0.03,0.1,0.3] [--json FILE]
+    python scripts/bench.py search-cost [--stack 2 --hidden 7168 --moe-inter 2048] [--device cpu|cuda] [--json FILE]
 
 `gptq` / `awq`: SmolLM2-135M-Instruct (rebuilt by ../shared/scripts/build_smollm2.py) quantized W4A16 group 64
 symmetric by our RTN, our layerwise GPTQ (or AWQ) and llm-compressor's `oneshot` + GPTQModifier (or AWQModifier +
@@ -372,10 +375,13 @@ def bench_calibrated(args) -> dict:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    src = work / "smollm2"
+    src = work / ("smollm2" if not args.dither else f"smollm2-dither{args.dither}")
     if not (src / "model.safetensors").exists():
         subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "shared/scripts/build_smollm2.py"),
-                        str(src)], check=True)
+                        str(src), *(["--dither", str(args.dither)] if args.dither else [])], check=True)
+    if args.dither:  # other weights, other outputs: keep them apart from the undithered build's
+        work = work / f"{src.name}-runs"
+        work.mkdir(exist_ok=True)
     data = calibration_text(work)
     seeds = [int(x) for x in args.seeds.split(",")]
     samples = {}
@@ -386,8 +392,14 @@ def bench_calibrated(args) -> dict:
     m, fp4 = args.what, args.scheme != "w4a16"
     tag = lambda seed: "" if seed == 0 else f"-seed{seed}"  # noqa: E731 - seed 0 keeps the folder names it had
     outs = {"rtn": work / f"smol-{args.scheme}-rtn"} | ({"llmc-rtn": work / f"smol-{args.scheme}-llmc-rtn"} if fp4 else {})
+    rules = args.scales.split(",") if m == "gptq" else [None]
+    name = lambda rule, seed: f"{m}{'' if rule in (None, rules[0]) else '-' + rule}{tag(seed)}"  # noqa: E731
+    cal_rtn = m == "gptq" and args.rtn_samples > 0  # calibrated RTN on every draw too, against GPTQ's gap
     for seed in seeds:
-        outs[f"{m}{tag(seed)}"] = work / f"smol-{args.scheme}-{m}{tag(seed)}"
+        for rule in rules:
+            outs[name(rule, seed)] = work / f"smol-{args.scheme}-{name(rule, seed)}"
+        if cal_rtn:
+            outs[f"rtn-calib{tag(seed)}"] = work / f"smol-{args.scheme}-rtn-calib{tag(seed)}"
         outs[f"llmc-{m}{tag(seed)}"] = work / f"smol-{args.scheme}-llmc-{m}{tag(seed)}"
     for d in outs.values():
         fresh(d)
@@ -397,23 +409,52 @@ def bench_calibrated(args) -> dict:
     if fp4:  # FP4: the library's RTN too (A16: data-free)
         ref_rtn = measure([sys.executable, "-c", ONESHOT, str(src), str(outs["llmc-rtn"]), str(work / "samples-0.json"),
                            str(args.group_size), "rtn", args.scheme])
-    ours_runs, ref_runs = [], []
+    runs, ref_runs, cal_runs = {rule: [] for rule in rules}, [], []
     for seed in seeds:
-        for _ in range(args.repeat):  # alternated, so that a slow spell of the machine weighs on both tools
-            ours, ref = outs[f"{m}{tag(seed)}"], outs[f"llmc-{m}{tag(seed)}"]
-            fresh(ours)
+        for _ in range(args.repeat):  # alternated, so that a slow spell of the machine weighs on every run alike
+            ref = outs[f"llmc-{m}{tag(seed)}"]
+            if cal_rtn:
+                fresh(outs[f"rtn-calib{tag(seed)}"])
+                cal_runs.append(measure([sys.executable, "-m", "quantize", "convert", str(src),
+                                         str(outs[f"rtn-calib{tag(seed)}"]), *common, "--calib", str(data),
+                                         "--num-samples", str(args.rtn_samples), "--seq-len", str(args.seq_len),
+                                         "--seed", str(seed)]))
+            for rule in rules:
+                ours = outs[name(rule, seed)]
+                fresh(ours)
+                runs[rule].append(measure([sys.executable, "-m", "quantize", "convert", str(src), str(ours), *common,
+                                           "--method", m, "--calib", str(data), "--num-samples", str(args.num_samples),
+                                           "--seq-len", str(args.seq_len), "--seed", str(seed),
+                                           *(["--scales", rule] if rule else [])]))
             fresh(ref)
-            ours_runs.append(measure([sys.executable, "-m", "quantize", "convert", str(src), str(ours), *common,
-                                      "--method", m, "--calib", str(data), "--num-samples", str(args.num_samples),
-                                      "--seq-len", str(args.seq_len), "--seed", str(seed)]))
             ref_runs.append(measure([sys.executable, "-c", ONESHOT, str(src), str(ref),
                                      str(work / f"samples-{seed}.json"), str(args.group_size), m, args.scheme]))
-    ours, ref = best_of(ours_runs), best_of(ref_runs)
+    ours, ref = best_of(runs[rules[0]]), best_of(ref_runs)
     text = PPL_TEXT.read_text()
-    ppl = {"bf16": perplexity(src, text)} | {name: perplexity(d, text) for name, d in outs.items()}
+    ppl = {"bf16": perplexity(src, text)} | {n: perplexity(d, text) for n, d in outs.items()}
     draws = [{"seed": seed, "ours": ppl[f"{m}{tag(seed)}"], "llmc": ppl[f"llmc-{m}{tag(seed)}"],
               "ratio": ppl[f"{m}{tag(seed)}"] / ppl[f"llmc-{m}{tag(seed)}"]} for seed in seeds]
+    # per scale rule: the share of llm-compressor's gap to bf16 that it closes, draw by draw (paired)
+    by_rule = {}
+    for rule in rules:
+        closed = [(ppl[f"llmc-{m}{tag(s)}"] - ppl[name(rule, s)]) / (ppl[f"llmc-{m}{tag(s)}"] - ppl["bf16"])
+                  for s in seeds]
+        by_rule[rule or m] = {
+            "perplexity": [ppl[name(rule, s)] for s in seeds], "mean": statistics.mean(ppl[name(rule, s)] for s in seeds),
+            "gap_closed_per_draw": closed, "gap_closed_mean": statistics.mean(closed),
+            "gap_closed_stderr": (statistics.stdev(closed) / math.sqrt(len(closed))) if len(closed) > 1 else 0.0,
+            "seconds_best": best_of(runs[rule])["seconds"], "seconds": [r["seconds"] for r in runs[rule]],
+            "seconds_vs_first_rule": best_of(runs[rule])["seconds"] / best_of(runs[rules[0]])["seconds"]}
     spread = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
+    if cal_rtn:  # the share of the gap from our plain RTN down to llm-compressor's GPTQ that calibrated RTN closes
+        closed = [(ppl["rtn"] - ppl[f"rtn-calib{tag(s)}"]) / (ppl["rtn"] - ppl[f"llmc-{m}{tag(s)}"]) for s in seeds]
+        by_rule["rtn-calib"] = {
+            "num_samples": args.rtn_samples, "perplexity": [ppl[f"rtn-calib{tag(s)}"] for s in seeds],
+            "mean": statistics.mean(ppl[f"rtn-calib{tag(s)}"] for s in seeds),
+            "rtn_to_llmc_gptq_gap_closed_per_draw": closed, "rtn_to_llmc_gptq_gap_closed_mean": statistics.mean(closed),
+            "rtn_to_llmc_gptq_gap_closed_stderr": spread(closed) / math.sqrt(len(closed)),
+            "seconds_best": best_of(cal_runs)["seconds"], "seconds": [r["seconds"] for r in cal_runs],
+            "seconds_vs_gptq": {rule: best_of(cal_runs)["seconds"] / best_of(runs[rule])["seconds"] for rule in rules}}
     mean_ours, mean_ref = statistics.mean(d["ours"] for d in draws), statistics.mean(d["llmc"] for d in draws)
     ratios = [d["ratio"] for d in draws]
     extra = {}
@@ -436,10 +477,81 @@ def bench_calibrated(args) -> dict:
         "paired_ratio_mean": statistics.mean(ratios),
         "paired_ratio_stderr": spread(ratios) / math.sqrt(len(ratios)),
         "ours_vs_rtn_ppl_ratio": mean_ours / ppl["rtn"],
-        "quantize_rtn": rtn, f"quantize_{m}": ours, f"llmc_oneshot_{m}": ref,
+        "quantize_rtn": rtn, f"quantize_{m}": ours, f"llmc_oneshot_{m}": ref, "by_scale_rule": by_rule,
+        "dither": args.dither,
         "speedup_vs_oneshot": ref["seconds"] / ours["seconds"],
         "rss_ratio_vs_oneshot": ours["peak_rss"] / ref["peak_rss"], **extra,
     }
+
+
+def bench_experts(args) -> dict:
+    """What a thinly routed expert's GPTQ gains from damping and from Hessian-chosen scales, measured on real weights
+    and activations: SmolLM2's MLP Linears stand for experts (gate and up of 576 inputs, down of 1536), their
+    Hessians summed from `tokens` rows of their real inputs (drawn from the calibration windows), their output error
+    ||X (W - Q)^T||^2 / ||X W^T||^2 on 8192 other rows of the same layer. Per token count: each dampening fraction,
+    the `tokens` rule (gptq.damping), and the Hessian-chosen scales (blocks of H, or its diagonal)."""
+    import statistics
+
+    from transformers import AutoModelForCausalLM
+
+    from quantize import calib
+    from quantize.quant import gptq, rtn, scales
+
+    work = Path(args.work)
+    src = work / ("smollm2" if not args.dither else f"smollm2-dither{args.dither}")
+    if not (src / "model.safetensors").exists():
+        subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "shared/scripts/build_smollm2.py"),
+                        str(src), *(["--dither", str(args.dither)] if args.dither else [])], check=True)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    samples = calib.load_samples(str(calibration_text(work)), calib.load_tokenizer(src), 48, 512, seed=0)
+    layers = [int(x) for x in args.layers.split(",")]
+    seen: dict[str, list[torch.Tensor]] = {}
+    hooks = []
+    for i in layers:
+        mlp = model.model.layers[i].mlp
+        for leaf in ("gate_proj", "down_proj"):
+            hooks.append(getattr(mlp, leaf).register_forward_pre_hook(
+                lambda mod, a, key=f"{i}.{leaf}": seen.setdefault(key, []).append(a[0].reshape(-1, a[0].shape[-1]))))
+    with torch.no_grad():
+        for ids in samples:
+            model(ids)
+    for h in hooks:
+        h.remove()
+    g = torch.Generator().manual_seed(0)
+    counts = [int(x) for x in args.tokens.split(",")]
+    damps = [float(x) for x in args.dampings.split(",")]
+    table: dict[str, dict[str, list[float]]] = {}
+    for key, xs in seen.items():
+        X = torch.cat(xs)
+        perm = torch.randperm(X.shape[0], generator=g)
+        test = X[perm[:8192]]
+        i, leaf = key.split(".")
+        W = getattr(model.model.layers[int(i)].mlp, leaf).weight.detach().to(torch.bfloat16)
+        ref = test @ W.float().t()
+
+        def error(codes, scale, test=test, ref=ref) -> float:
+            Q = rtn.dequantize_groups(codes, scale).float()
+            return float(((test @ Q.t() - ref) ** 2).sum() / (ref**2).sum())
+
+        for n in counts:
+            for draw in range(args.draws):
+                rows = X[perm[8192 + draw * n: 8192 + (draw + 1) * n]]
+                H = rows.t() @ rows
+                base, _ = rtn.group_qparams(W, args.group_size)
+                row = table.setdefault(str(n), {})
+                row.setdefault("rtn", []).append(error(rtn.quantize_groups(W, base), base))
+                for d in damps:
+                    row.setdefault(f"damp {d}", []).append(error(gptq.gptq_quantize(W, H.clone(), base, percdamp=d)[0], base))
+                rule = gptq.damping(0.01, n, W.shape[1])
+                row.setdefault("damp tokens rule", []).append(
+                    error(gptq.gptq_quantize(W, H.clone(), base, percdamp=rule)[0], base))
+                for weigh in ("blocks", "diagonal"):
+                    Hw = H if weigh == "blocks" else torch.diag(H.diagonal())
+                    s = scales.int4(W[None], base[None], scales.diagonal_blocks(Hw[None], args.group_size))[0]
+                    row.setdefault(f"hessian scales ({weigh}), damp rule", []).append(
+                        error(gptq.gptq_quantize(W, H.clone(), s, percdamp=rule)[0], s))
+    return {"model": str(src), "layers": layers, "group_size": args.group_size, "draws": args.draws,
+            "relative_output_error_mean": {n: {k: statistics.mean(v) for k, v in row.items()} for n, row in table.items()}}
 
 
 def synthetic_llama(out: Path, layers: int, hidden: int = 1024, inter: int = 2816) -> Path:
@@ -527,6 +639,78 @@ def bench_scale(args) -> dict:
         "speedup_vs_oneshot": ref["seconds"] / ours["seconds"],
         "rss_ratio_vs_oneshot": ours["peak_rss"] / ref["peak_rss"],
     }
+
+
+def bench_search_cost(args) -> dict:
+    """What the Hessian-chosen scales add to GPTQ on a stack of Kimi K2-shaped routed experts (gate/up [2048, 7168]
+    under one input Hessian, down [7168, 2048] under another), the way engine/experts.py solves a chunk: the
+    search over the stack (full diagonal blocks, and the diagonal alone for thinly routed experts) against
+    gptq_quantize_batched of the same stack. Both grow with the stack, so the ratio is a Kimi layer's (384
+    experts in chunks) and the model's: the search's share of the expert work."""
+    from torch.nn import functional as F
+
+    from quantize import recipe
+    from quantize.quant import codec, gptq, scales
+
+    torch.manual_seed(0)
+    dev, E, s = torch.device(args.device), args.stack, recipe.preset("w4a16", args.group_size).scheme
+    # Kimi K2 at the default calibration (512 x 2048 tokens, 8 of 384 experts a token): tokens per expert on average
+    kimi_tokens = 512 * 2048 * 8 // 384
+    out = {"device": args.device, "stack": E, "group_size": args.group_size, "cpu_threads": torch.get_num_threads(),
+           "tokens_measured": args.tokens, "kimi_tokens_per_expert": kimi_tokens}
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    # an expert's own work besides the solve, per token (measured on `tokens` rows, scaled to Kimi's count): its
+    # Hessians (engine/experts.py: gptq.add_batch of x and of act(gate x) * up x) and its forwards (that product
+    # in the calibration pass, the routed output after it)
+    x = torch.randn(args.tokens, args.hidden, device=dev).to(torch.bfloat16)
+    gate, up = [(torch.randn(args.moe_inter, args.hidden, device=dev) * 0.02).to(torch.bfloat16) for _ in range(2)]
+    down = (torch.randn(args.hidden, args.moe_inter, device=dev) * 0.02).to(torch.bfloat16)
+    H_in = torch.zeros(args.hidden, args.hidden, device=dev)
+    H_down = torch.zeros(args.moe_inter, args.moe_inter, device=dev)
+    t = time.perf_counter()
+    h = F.silu(F.linear(x, gate)) * F.linear(x, up)
+    F.linear(h, down)
+    sync()
+    forward = time.perf_counter() - t
+    t = time.perf_counter()
+    gptq.add_batch(H_in, x)
+    gptq.add_batch(H_down, h)
+    sync()
+    hessians = time.perf_counter() - t
+    del x, h, H_in, H_down
+    scale = kimi_tokens / args.tokens
+    # the calibration pass's gate/up product and the routed output's whole forward: about 1.7 forwards an expert
+    out["per_expert_at_kimi_tokens"] = {"hessians_s": hessians * scale, "forwards_s": 1.7 * forward * scale}
+    for name, (rows, width) in {"gate_up": (2 * args.moe_inter, args.hidden), "down": (args.hidden, args.moe_inter)}.items():
+        W = (torch.randn(E, rows, width, device=dev) * 0.02).to(torch.bfloat16)
+        X = torch.randn(E, args.tokens, width, device=dev)
+        H = torch.einsum("eni,enj->eij", X, X)
+        del X
+        t = time.perf_counter()
+        blocks = torch.stack([scales.diagonal_blocks(gptq.mirror_upper(H[e].clone())[None], s.group_size)[0]
+                              for e in range(E)])
+        chosen = codec.searched(s, list(W), [None] * E, blocks)
+        search = time.perf_counter() - t
+        t = time.perf_counter()
+        codec.searched(s, list(W), [None] * E, torch.diag_embed(H.diagonal(dim1=1, dim2=2).reshape(E, -1, s.group_size)))
+        search_diag = time.perf_counter() - t
+        step = torch.stack([c.step for c in chosen])
+        t = time.perf_counter()
+        gptq.gptq_quantize_batched(W, H.clone(), step, None, 4, 128, 0.01, actorder=True, consume=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        solve = time.perf_counter() - t
+        out[name] = {"search_s": search, "search_diag_s": search_diag, "solve_s": solve,
+                     "search_over_solve": search / solve, "search_diag_over_solve": search_diag / solve}
+    total_search = (out["gate_up"]["search_s"] + out["down"]["search_s"]) / E  # per expert
+    total_solve = (out["gate_up"]["solve_s"] + out["down"]["solve_s"]) / E
+    rest = sum(out["per_expert_at_kimi_tokens"].values())
+    out["solve_with_search_over_without"] = (total_search + total_solve) / total_solve
+    # an expert's GPTQ at Kimi's token count: Hessians, forwards, solve; with the search on top
+    out["expert_gptq_with_search_over_without"] = (rest + total_solve + total_search) / (rest + total_solve)
+    out["kimi_layer_search_s_extrapolated"] = total_search * 384  # 384 routed experts a layer
+    out["kimi_layer_expert_gptq_s_extrapolated"] = (rest + total_solve) * 384
+    return out
 
 
 def bench_moe_layer(args) -> dict:
@@ -728,6 +912,13 @@ def main() -> None:
                        default="w4a16", help="w4a16: INT4 at --group-size; nvfp4a16, mxfp4a16: compressed-tensors' "
                        "FP4 presets (their own group sizes), with llm-compressor's RTN of the same preset beside")
         q.add_argument("--repeat", type=int, default=1, help="runs of each tool, alternated; the fastest counts")
+        q.add_argument("--dither", type=float, default=0.0, help="build SmolLM2 with build_smollm2.py --dither F (its "
+                       "weights off the GGUF's 4-bit lattice); 0: the plain build")
+        if method == "gptq":
+            q.add_argument("--scales", default="minmax", help="our GPTQ's scale rules to run, e.g. minmax,hessian "
+                           "(each on every draw; the first is the one compared byte for byte)")
+            q.add_argument("--rtn-samples", type=int, default=0, help="also our calibrated RTN (--method rtn --calib) "
+                           "on every draw, with this many samples (0: not run)")
         q.add_argument("--seeds", default="0", help="calibration draws, e.g. 0,1,2,3: both tools quantize each "
                        "seed's windows; the perplexities are reported per draw and as paired means")
         q.add_argument("--work", default=".cache/bench")
@@ -762,11 +953,27 @@ def main() -> None:
     s.add_argument("--seq-len", type=int, default=256)
     s.add_argument("--work", default=".cache/bench")
     s.add_argument("--json", dest="json_out")
+    x = sub.add_parser("experts", help="damping and Hessian-chosen scales of thinly routed experts, on SmolLM2's MLPs")
+    x.add_argument("--tokens", default="64,192,576,2304", help="rows behind each Hessian")
+    x.add_argument("--dampings", default="0.01,0.03,0.1,0.3")
+    x.add_argument("--layers", default="3,9,15,21,27")
+    x.add_argument("--draws", type=int, default=3)
+    x.add_argument("--group-size", type=int, default=64)
+    x.add_argument("--dither", type=float, default=0.25)
+    x.add_argument("--work", default=".cache/bench")
+    x.add_argument("--json", dest="json_out")
+    c = sub.add_parser("search-cost", help="Hessian-chosen scales vs the GPTQ solve on a stack of Kimi-shaped experts")
+    for flag, default in (("--stack", 2), ("--hidden", 7168), ("--moe-inter", 2048), ("--tokens", 8192),
+                          ("--group-size", 32)):
+        c.add_argument(flag, type=int, default=default)
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--json", dest="json_out")
     d = sub.add_parser("depth", help="GPTQ peak RSS at 4 vs 16 layers")
     d.add_argument("--work", default=".cache/bench")
     d.add_argument("--json", dest="json_out")
     a = p.parse_args()
     result = {"rtn": bench_rtn, "gptq": bench_calibrated, "awq": bench_calibrated, "depth": bench_depth,
+              "experts": bench_experts, "search-cost": bench_search_cost,
               "scale": bench_scale, "moe-layer": bench_moe_layer,
               "moe-ranks": bench_moe_ranks}[a.what](a)
     # figures from one kind of CPU do not carry to another (bf16 GEMMs: ~50x slower on AVX2): say which ran them

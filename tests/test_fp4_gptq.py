@@ -88,7 +88,9 @@ def test_fp4_gptq_is_llm_compressors_and_beats_round_to_nearest(scheme, actorder
 
 
 def _gptq(src, scheme: str, tmp_path, method: str = "gptq", min_expert_tokens: int = 4):
+    """GPTQ under min/max scales and fixed damping (llm-compressor's: its layout and scales byte for byte)."""
     r = recipe.preset(scheme, 128, method=method)
+    r = dataclasses.replace(r, gptq=dataclasses.replace(r.gptq, scales="minmax", dampening="fixed"))
     r = dataclasses.replace(r, calibration=dataclasses.replace(r.calibration, data=str(calibration_samples(tmp_path)),
                                                                num_samples=8, seq_len=64,
                                                                min_expert_tokens=min_expert_tokens))

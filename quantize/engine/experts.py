@@ -31,7 +31,7 @@ from torch.nn import functional as F
 from quantize.engine.activations import TokenBuffer, release_freed_memory
 from quantize.engine.distributed import GROUPS, broadcast, expert_groups, group_members, recv, send
 from quantize.engine.ordered import in_order, single_threaded
-from quantize.quant import codec, fp4, gptq
+from quantize.quant import codec, fp4, gptq, scales
 from quantize.safetensors_file import DTYPES
 from quantize.tensor_plan import Entry
 
@@ -41,6 +41,15 @@ MAX_CHUNK = 32  # experts solved as one stack at most: beyond this a stack is no
 # GPU (a group of Kimi K2's experts, 24 of 1.3 GB; fixed, not read from free memory: see _chunks)
 CHUNK_BYTES = {False: 1 << 29, True: 32 << 30}
 HESSIAN_ROWS = 8192  # an expert's tokens go into its Hessians this many rows at a time (fixed: same sums always)
+
+
+def _add(acc: torch.Tensor, x: torch.Tensor) -> None:
+    """x's rows into a Hessian [n, n] (gptq.add_batch), or into a sum of squares per column [n] (calibrated RTN)."""
+    if acc.dim() == 2:
+        gptq.add_batch(acc, x)
+    else:
+        xf = x.float()
+        acc.add_((xf * xf).sum(0))
 
 
 def expert_bytes(inter: int, hidden: int, dtype: torch.dtype) -> int:
@@ -163,6 +172,7 @@ class Setting:
     world: int = 1
     rank: int = 0
     offload: str = "gpu"  # where activations live (activations.choose): the routed sums too, under cpu or disk
+    squares: bool = False  # calibrated RTN: sums of x^2 per input channel instead of Hessians, no solve
 
     @property
     def sums(self) -> torch.device:
@@ -224,6 +234,10 @@ class LayerExperts:
         self._filled += n
 
     # -- the collectives: one broadcast per rank and pass, one message per rank and group ------------------
+    def calibrate_from_advance(self) -> None:
+        """Calibrated RTN: the layer's one pass (recorded by record_advance) is the calibration's too."""
+        self.x_cal, self.idx_cal = self.x_adv, self.idx_adv
+
     def share_calibration(self) -> None:
         self._share(self.x_cal.t, self.idx_cal)
 
@@ -248,14 +262,15 @@ class LayerExperts:
         all_rows = shared_in = None
         if self.s.calibration.calibrate_all_experts:  # every expert sees every token: one input Hessian for all
             all_rows = torch.arange(self.tokens)
-            shared_in = torch.zeros(self.hidden, self.hidden, device=self.s.device)
+            shared_in = torch.zeros(*(self.hidden,) * (1 if self.s.squares else 2), device=self.s.device)
             for r in range(0, self.tokens, HESSIAN_ROWS):
-                gptq.add_batch(shared_in, self.x_cal.rows(all_rows[r:r + HESSIAN_ROWS]))
+                _add(shared_in, self.x_cal.rows(all_rows[r:r + HESSIAN_ROWS]))
         workers = chunk_workers(self.s.device)
         for _ in each(lambda c: self._solve_chunk(c, routing, all_rows, shared_in), self._chunks(work, workers),
                           workers):
             pass
-        self.x_cal.close()
+        if self.x_cal is not self.x_adv:  # calibrated RTN's inputs are the pass's, still to be run through the codes
+            self.x_cal.close()
         release_freed_memory()
 
     def _solve_chunk(self, chunk: list[int], routing: "Routing", all_rows, shared_in) -> None:
@@ -277,7 +292,7 @@ class LayerExperts:
             if e not in h_in:
                 for leaf in self.targets[e]:
                     w = weights[e][leaf]
-                    p = codec.params(sch, w, self._global_scale(e, weights[e], leaf))
+                    p = codec.params(sch, w, self._global_scale(e, weights[e], leaf), self._lattice(e, leaf))
                     self._keep(e, leaf, w, codec.rtn_codes(sch, w, p), p, False)
         for group, hs in ((["gate_proj", "up_proj"], h_in), (["down_proj"], h_down)):
             stacks: dict[tuple, list[int]] = {}  # experts whose targeted Linears of the group are the same
@@ -286,7 +301,7 @@ class LayerExperts:
                 if leaves:
                     stacks.setdefault(leaves, []).append(e)
             for leaves, members in stacks.items():
-                self._solve_stack(list(leaves), members, weights, hs)
+                (self._round_stack if self.s.squares else self._solve_stack)(list(leaves), members, weights, hs)
         del weights, h_in, h_down
         self._release(len(chunk) * expert_bytes(*self._shape(chunk[0]), self.s.dtype))
         if self.on_expert is not None and self.s.rank == 0:
@@ -325,19 +340,20 @@ class LayerExperts:
         c = self.s.compute
         gate, up = w["gate_proj"].to(c), w["up_proj"].to(c)
         H_in = H_down = None
-        if hessians:
-            H_in = shared_in.clone() if shared_in is not None else torch.zeros(gate.shape[1], gate.shape[1],
+        if hessians:  # calibrated RTN: the diagonals alone, sums of x^2
+            square = (1,) if self.s.squares else (1, 1)
+            H_in = shared_in.clone() if shared_in is not None else torch.zeros(*(gate.shape[1],) * len(square),
                                                                                device=self.s.device)
-            H_down = torch.zeros(gate.shape[0], gate.shape[0], device=self.s.device)
+            H_down = torch.zeros(*(gate.shape[0],) * len(square), device=self.s.device)
         a_in = a_down = torch.zeros((), dtype=c, device=self.s.device)
         with torch.no_grad():
             for r in range(0, tokens.numel(), HESSIAN_ROWS):
                 x = self.x_cal.rows(tokens[r:r + HESSIAN_ROWS])
                 if hessians and shared_in is None:
-                    gptq.add_batch(H_in, x)
+                    _add(H_in, x)
                 h = self.act_fn(F.linear(x, gate)) * F.linear(x, up)
                 if hessians:
-                    gptq.add_batch(H_down, h)
+                    _add(H_down, h)
                 if amax_of is not None:
                     a_in, a_down = torch.maximum(a_in, x.abs().amax()), torch.maximum(a_down, h.abs().amax())
         if amax_of is not None:
@@ -366,14 +382,25 @@ class LayerExperts:
         sch, p = self.s.scheme, self.s.gptq
         leaves = group
         W = torch.stack([torch.cat([weights[e][leaf] for leaf in leaves]) for e in members])
-        params = {(e, leaf): codec.params(sch, weights[e][leaf], self._global_scale(e, weights[e], leaf))
-                  for e in members for leaf in leaves}
+        gscales = {(e, leaf): self._global_scale(e, weights[e], leaf) for e in members for leaf in leaves}
+        if p.scales == "hessian":  # the whole stack's steps at once, from each expert's own Hessian
+            blocks = torch.stack([self._scale_weights(e, hessians[e]) for e in members])
+            params = {}
+            for leaf in leaves:
+                chosen = codec.searched(sch, [weights[e][leaf] for e in members], [gscales[e, leaf] for e in members],
+                                        blocks, [self._lattice(e, leaf) for e in members])
+                params |= {(e, leaf): q for e, q in zip(members, chosen, strict=True)}
+        else:
+            params = {(e, leaf): codec.params(sch, weights[e][leaf], gscales[e, leaf], self._lattice(e, leaf))
+                      for e in members for leaf in leaves}
         step = torch.stack([torch.cat([params[e, leaf].step for leaf in leaves]) for e in members])
         zp = None
         if not sch.symmetric:
             zp = torch.stack([torch.cat([params[e, leaf].zero_point for leaf in leaves]) for e in members])
         H = torch.stack([hessians.pop(e) for e in members])  # gate/up and down use different Hessians
-        codes, fallback = gptq.gptq_quantize_batched(W, H, step, zp, sch.num_bits, p.block_size, p.dampening_frac,
+        damp = p.dampening_frac if p.dampening == "fixed" else [
+            gptq.damping(p.dampening_frac, self._tokens(e), H.shape[-1]) for e in members]
+        codes, fallback = gptq.gptq_quantize_batched(W, H, step, zp, sch.num_bits, p.block_size, damp,
                                                      actorder=p.actorder == "static", consume=True, fp4=bool(sch.fp4))
         del H
         for k, e in enumerate(members):
@@ -382,6 +409,38 @@ class LayerExperts:
                 rows = slice(row, row + weights[e][leaf].shape[0])
                 row = rows.stop
                 self._keep(e, leaf, weights[e][leaf], codes[k, rows], params[e, leaf], bool(fallback[k]))
+
+    def _round_stack(self, group: list[str], members: list[int], weights, squares) -> None:
+        """Calibrated RTN of the same Linears of several experts: each group's step searched over the stack at
+        once (quant/scales.py), weighted by each expert's own sums of x^2, then round to nearest."""
+        sch = self.s.scheme
+        diag = torch.stack([squares.pop(e).float().reshape(-1, sch.group_size) for e in members])
+        for leaf in group:
+            gscales = [self._global_scale(e, weights[e], leaf) for e in members]
+            chosen = codec.searched(sch, [weights[e][leaf] for e in members], gscales, diag,
+                                    [self._lattice(e, leaf) for e in members])
+            for e, p in zip(members, chosen, strict=True):
+                w = weights[e][leaf]
+                self._keep(e, leaf, w, codec.rtn_codes(sch, w, p), p, False)
+
+    def _lattice(self, e: int, leaf: str):
+        """Expert e's INT4 source lattice under the target groups (quant/lattice.py), or None."""
+        if self.s.scheme.fp4:
+            return None
+        return self.s.ckpt.lattice(self.s.ckpt.tensors[f"{self.prefix}{e}.{leaf}.weight"], self.s.scheme.group_size,
+                                   self.s.device)
+
+    def _tokens(self, e: int) -> int:
+        """The rows behind expert e's Hessians: its routed tokens, or every token with calibrate_all_experts."""
+        return self.tokens if self.s.calibration.calibrate_all_experts else self.counts[e]
+
+    def _scale_weights(self, e: int, H: torch.Tensor) -> torch.Tensor:
+        """What expert e's scale search weighs each group's error by: the diagonal blocks of its Hessian, or of
+        its diagonal alone when fewer tokens than inputs built it (then the off-diagonal terms are mostly noise)."""
+        g = self.s.scheme.group_size
+        if self._tokens(e) < H.shape[-1]:
+            return torch.diag_embed(H.diagonal().float().reshape(-1, g))
+        return scales.diagonal_blocks(gptq.mirror_upper(H)[None], g)[0]
 
     def _keep(self, e: int, leaf: str, w: torch.Tensor, codes, p: "codec.Params", fallback: bool) -> None:
         sch = self.s.scheme

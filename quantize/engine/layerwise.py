@@ -42,7 +42,7 @@ from quantize.engine.awq_layer import awq_layer, takes_topk
 from quantize.engine.hessians import Hessians
 from quantize.engine.layer_state import CALIB_DIR, LayerCheckpoint, Resume, samples_key
 from quantize.errors import QuantizeError
-from quantize.quant import codec, fp4, gptq, precision
+from quantize.quant import codec, fp4, gptq, precision, scales
 from quantize.tensor_plan import Entry, Plan
 
 
@@ -51,7 +51,7 @@ def device_account(plan: Plan, samples: list[torch.Tensor], device: torch.device
     """What the largest decoder layer holds on `device` under the offload chosen for it (engine/memory.py): its
     weights but the routed experts GPTQ streams, their stacks, the dense Hessians, one sample's forward, the
     staging, and the activations when they stay on the device."""
-    gptq_ = plan.recipe.method == "gptq"
+    gptq_ = plan.recipe.method in ("gptq", "rtn")  # routed experts streamed (calibrated rtn: no Hessians, fewer bytes)
     workers = routed.chunk_workers(device)
 
     def stack_of(inter: int, hidden: int) -> int:
@@ -306,8 +306,8 @@ class LayerwiseQuantizer:
         layer = e.role.layer
         if layer is None or e.role.kind == "mtp":
             return None
-        if self.recipe.method == "gptq" and e.tensor.name not in self.targets and e.action != "kv_scale":
-            return None  # GPTQ changes only what it quantizes; AWQ smoothing also rescales norms and routers
+        if self.recipe.method != "awq" and e.tensor.name not in self.targets and e.action != "kv_scale":
+            return None  # GPTQ and RTN change only what they quantize; AWQ smoothing also rescales norms and routers
         with self.lock:  # writer threads ask concurrently; layers must run one at a time, in order
             if torch.get_num_threads() != self.threads:
                 torch.set_num_threads(self.threads)
@@ -324,8 +324,8 @@ class LayerwiseQuantizer:
         return {n[len(prefix):-len(".weight")]: e for n, e in self.targets.items() if e.role.layer == i}
 
     def _streams_experts(self, i: int) -> bool:
-        """Whether layer i's routed experts are GPTQ targets, solved by engine/experts.py."""
-        return self.recipe.method == "gptq" and any(".experts." in m for m in self._layer_targets(i))
+        """Whether layer i's routed experts are GPTQ (or calibrated RTN) targets, solved by engine/experts.py."""
+        return self.recipe.method in ("gptq", "rtn") and any(".experts." in m for m in self._layer_targets(i))
 
     def _dense_targets(self, i: int, targets: dict[str, Entry]) -> list[str]:
         """Layer i's targets that GPTQ solves in the layer (all but the routed experts engine/experts.py solves)."""
@@ -342,6 +342,25 @@ class LayerwiseQuantizer:
             self._exchange_inputs()
         layer = self._build_layer(i)
         report = LayerReport(layer=i, seconds=0.0, modules=len(targets))
+        if self.recipe.method == "rtn":
+            self._rtn_layer(layer, i, targets, report)
+        else:
+            self._solve_layer(layer, i, targets, report)
+        release_freed_memory()
+        self.skeleton.model.layers[i] = nn.Module()  # drop the layer's weights
+        if self.rank != 0:
+            return
+        report.seconds = time.perf_counter() - t0
+        self.stats.layers.append(report)
+        if self.checkpoint is not None:
+            self._save_checkpoint(i)
+            if i == self.model.num_hidden_layers - 1:
+                self._wait_for_checkpoint()
+        if self.on_layer:
+            self.on_layer(report, self.model.num_hidden_layers)
+
+    def _solve_layer(self, layer: nn.Module, i: int, targets: dict[str, Entry], report: LayerReport) -> None:
+        """GPTQ or AWQ of layer i: the calibration pass, the solves, the pass through the quantized layer."""
         moe, sending = None, []
         if self.recipe.method == "awq":
             awq_layer(self, layer, i, targets, report)
@@ -376,18 +395,43 @@ class LayerwiseQuantizer:
             self._kv_scales(i, amax, mla is not None, report)
         if moe is not None:
             self._finish_experts(moe, i, targets, report)
-        release_freed_memory()
-        self.skeleton.model.layers[i] = nn.Module()  # drop the layer's weights
-        if self.rank != 0:
-            return
-        report.seconds = time.perf_counter() - t0
-        self.stats.layers.append(report)
-        if self.checkpoint is not None:
-            self._save_checkpoint(i)
-            if i == self.model.num_hidden_layers - 1:
-                self._wait_for_checkpoint()
-        if self.on_layer:
-            self.on_layer(report, self.model.num_hidden_layers)
+
+    def _rtn_layer(self, layer: nn.Module, i: int, targets: dict[str, Entry], report: LayerReport) -> None:
+        """Calibrated RTN of layer i: one pass of the samples through the layer as the source has it, summing
+        x^2 per input channel of every targeted Linear (the routed experts' inputs recorded), then each group's
+        scale by quant/scales.py's search weighted by those sums, and round to nearest. The pass's outputs are
+        the next layer's inputs (no second pass: one forward per layer, no Hessian, no solve); the routed
+        experts' share of them comes from their codes, as under GPTQ."""
+        t0 = time.perf_counter()
+        modules = dict(layer.named_modules())
+        moe = self._layer_experts(i, targets) if self._streams_experts(i) else None
+        dense = self._dense_targets(i, targets)
+        squares: dict[str, torch.Tensor] = {}
+
+        def add(name: str, _module, args) -> None:
+            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            sq = (x * x).sum(0)
+            squares[name] = sq if name not in squares else squares[name].add_(sq)
+        hooks = [modules[m].register_forward_pre_hook(partial(add, m)) for m in dense]
+        self._wait_for_checkpoint()  # the previous layer's checkpoint still reads the activations about to change
+        if moe is not None:
+            moe.start_advance()
+            self._deferred(layer).record = moe.record_advance
+        self._run(layer, i, advance=True)
+        for h in hooks:
+            h.remove()
+        t1 = time.perf_counter()
+        report.phases["forward"] = t1 - t0
+        for m in sorted(dense):
+            done = self._quantize_stacked([m], [modules[m].weight.data], None, {m: targets[m]}, squares.pop(m, None))
+            self._commit(modules[m], targets[m], *done[0], report)
+        t2 = time.perf_counter()
+        report.phases["dense"] = t2 - t1
+        if moe is not None:
+            moe.calibrate_from_advance()
+            moe.solve()
+            report.phases["experts"] = time.perf_counter() - t2
+            self._finish_experts(moe, i, targets, report)
 
     # -- data parallel forwards: the samples' hidden states to their ranks and back, once per layer -------------
     def _exchange_inputs(self) -> None:
@@ -463,7 +507,8 @@ class LayerwiseQuantizer:
                 by_expert[e.role.expert][m.rsplit(".", 1)[1]] = e
         act_fn = self.skeleton.model.layers[i].mlp.experts.act_fn  # fused, or the Deferred that replaced it
         setting = routed.Setting(self.ckpt, self.device, self.compute, self.dtype, self.recipe.scheme,
-                                 self.recipe.gptq, self.recipe.calibration, self.world, self.rank, self.stats.offload)
+                                 self.recipe.gptq, self.recipe.calibration, self.world, self.rank, self.stats.offload,
+                                 squares=self.recipe.method == "rtn")
         prefix = f"{self.model.prefix}model.layers.{i}.mlp.experts."
         return routed.LayerExperts(setting, prefix, self.config.n_routed_experts, dict(by_expert), self.tokens,
                                    self.model.hidden_size, self.config.num_experts_per_tok, act_fn,
@@ -566,15 +611,25 @@ class LayerwiseQuantizer:
         return moe
 
     def _quantize_stacked(self, names: list[str], weights: list[torch.Tensor], H: torch.Tensor | None,
-                          targets: dict[str, Entry]) -> list[tuple]:
+                          targets: dict[str, Entry], squares: torch.Tensor | None = None) -> list[tuple]:
         """(codes, codec.Params, fallback) of each Linear fed the same input, solved as one matrix: GPTQ against H,
-        or RTN when H is None. GPTQ treats the rows of W independently given H (the codes are the same bytes as
+        or RTN when H is None (its steps chosen by the inputs' sums of x^2 `squares` [in], when given). GPTQ
+        treats the rows of W independently given H (the codes are the same bytes as
         one by one), so H is factored once and each column step updates every Linear at once (q/k/v of SmolLM2:
         130 -> 55 ms). H is consumed: GPTQ frees it as soon as it has its working copy."""
         s, p = self.recipe.scheme, self.recipe.gptq
         ws = [w.to(self.dtype) for w in weights]  # steps from the weight in the model's dtype, as compressed-tensors'
         gscales = self._global_scales([targets[m].tensor.name for m in names], ws)
-        params = [codec.params(s, w, g) for w, g in zip(ws, gscales, strict=True)]
+        # an INT4 source's trained lattice stays where the target groups hold it (quant/lattice.py)
+        held = [None if s.fp4 else self.ckpt.lattice(targets[m].tensor, s.group_size, self.device) for m in names]
+        if H is not None and p.scales == "hessian":  # steps from the Hessian's diagonal blocks, then GPTQ
+            blocks = scales.diagonal_blocks(gptq.mirror_upper(H)[None], s.group_size)
+            params = [codec.searched(s, [w], [g], blocks, [h])[0] for w, g, h in zip(ws, gscales, held, strict=True)]
+        elif H is None and squares is not None:  # calibrated RTN: steps from E[x^2]
+            diag = squares.float().reshape(1, -1, s.group_size)
+            params = [codec.searched(s, [w], [g], diag, [h])[0] for w, g, h in zip(ws, gscales, held, strict=True)]
+        else:
+            params = [codec.params(s, w, g, h) for w, g, h in zip(ws, gscales, held, strict=True)]
         if H is None:
             return [(codec.rtn_codes(s, w, q), q, False) for w, q in zip(ws, params, strict=True)]
         zp = None if params[0].zero_point is None else torch.cat([q.zero_point for q in params])

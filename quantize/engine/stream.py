@@ -91,12 +91,13 @@ def produce(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor | None =
         raise AssertionError(f"{t.name} needs calibrated activations (NVFP4 W4A4) but reached round to nearest")
     if s.fp4 == "nvfp4" and t.name in plan.fused:
         return _fused_outputs(plan, e, device, w)
-    return rtn_outputs(s, w)
+    return rtn_outputs(s, w, held=None if s.fp4 else plan.ckpt.lattice(t, s.group_size, w.device))
 
 
-def rtn_outputs(scheme, w: torch.Tensor, gscale: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """Round-to-nearest of w [out, in] in a 4-bit scheme, as the tensors that replace it."""
-    p = codec.params(scheme, w, gscale)
+def rtn_outputs(scheme, w: torch.Tensor, gscale: torch.Tensor | None = None, held=None) -> list[torch.Tensor]:
+    """Round-to-nearest of w [out, in] in a 4-bit scheme, as the tensors that replace it; held: an INT4
+    source's lattice (quant/lattice.py), kept where the target's groups hold it."""
+    p = codec.params(scheme, w, gscale, held)
     return codec.outputs(scheme, codec.rtn_codes(scheme, w, p), p, tuple(w.shape))
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantize.quant import fp4, pack, rtn
+from quantize.quant import fp4, pack, rtn, scales
 
 
 @dataclass
@@ -21,8 +21,9 @@ class Params:
     stored: tuple[torch.Tensor, ...]  # the scale tensors written after weight_packed, in the plan's order
 
 
-def params(scheme, w: torch.Tensor, gscale: torch.Tensor | None = None) -> Params:
-    """The steps of w [out, in] (in the model's dtype); gscale: NVFP4's global scale of w's fused set."""
+def params(scheme, w: torch.Tensor, gscale: torch.Tensor | None = None, held=None) -> Params:
+    """The steps of w [out, in] (in the model's dtype); gscale: NVFP4's global scale of w's fused set; held: an
+    INT4 source's lattice (quant/lattice.py), whose steps replace min/max's where the target groups hold it."""
     if scheme.fp4 == "nvfp4":
         gscale = fp4.global_scale(fp4.absmax(w)) if gscale is None else gscale
         scale = fp4.nvfp4_scale(w, gscale)
@@ -31,7 +32,44 @@ def params(scheme, w: torch.Tensor, gscale: torch.Tensor | None = None) -> Param
         scale = fp4.mxfp4_scale(w)
         return Params(scale.float(), None, (fp4.mx_bytes(scale),))
     scale, zero_point = rtn.group_qparams(w, scheme.group_size, scheme.num_bits, scheme.symmetric)
+    if held is not None and scheme.symmetric:
+        scale = keep_lattice(scale, held)
     return Params(scale, zero_point, (scale,))
+
+
+def keep_lattice(scale: torch.Tensor, held) -> torch.Tensor:
+    """scale [out, groups] with the source lattice's steps where the target groups hold it (and the step is
+    exact in scale's dtype, so that round to nearest gives back the source's codes)."""
+    step, mask = held
+    same = step.to(scale.dtype)
+    return torch.where(mask & (same.to(step.dtype) == step), same, scale)
+
+
+def searched(scheme, ws: list[torch.Tensor], gscales: list[torch.Tensor | None], weights: torch.Tensor,
+             lattices: list | None = None) -> list[Params]:
+    """The Params of each of the same-shape weights ws [out, in], their steps chosen by the input statistics
+    `weights` (quant/scales.py: H's diagonal blocks [E, groups, group, group] or E[x^2] [E, groups, group])
+    rather than by min/max. Asymmetric INT4 keeps min/max (its zero point moves with the scale). lattices: each
+    weight's INT4 source lattice or None (quant/lattice.py): the groups that hold it keep its step, unsearched,
+    and the others' candidates include the largest source step inside them."""
+    lattices = lattices or [None] * len(ws)
+    base = [params(scheme, w, g, h) for w, g, h in zip(ws, gscales, lattices, strict=True)]
+    if (not scheme.fp4 and not scheme.symmetric) or ws[0].shape[-1] != base[0].step.shape[-1] * scheme.group_size:
+        return base  # a last partial group (in not a multiple of the group size) keeps min/max too
+    W = torch.stack(ws)
+    if scheme.fp4 == "nvfp4":
+        g = torch.stack([b.stored[1] for b in base]).reshape(-1)
+        chosen = scales.nvfp4(W, torch.stack([b.stored[0].to(W.dtype) for b in base]), g, weights)
+        return [Params(c / gs, None, (c.to(torch.float8_e4m3fn), gs)) for c, gs in zip(chosen, g.split(1), strict=True)]
+    if scheme.fp4 == "mxfp4":
+        chosen = scales.mxfp4(W, torch.stack([b.step.to(W.dtype) for b in base]), weights)
+        return [Params(c.float(), None, (fp4.mx_bytes(c),)) for c in chosen]
+    extra = None
+    if any(h is not None for h in lattices):  # a weight without a lattice offers its min/max step again
+        extra = torch.stack([b.step if h is None else h[0].to(b.step.dtype) for b, h in zip(base, lattices, strict=True)])
+    chosen = scales.int4(W, torch.stack([b.step for b in base]), weights, scheme.num_bits, extra)
+    chosen = [c if h is None else keep_lattice(c, h) for c, h in zip(chosen, lattices, strict=True)]
+    return [Params(c, None, (c,)) for c in chosen]
 
 
 def rtn_codes(scheme, w: torch.Tensor, p: Params) -> torch.Tensor:

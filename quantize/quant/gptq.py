@@ -19,15 +19,19 @@ from quantize.quant.rtn import int_range
 def add_batch(H: torch.Tensor, x: torch.Tensor) -> int:
     """Accumulate inputs x [..., in] into the float32 H [in, in], batch after batch in order; returns rows added.
 
-    H stays float32 and so do the sums. When x is bfloat16 the product runs on the bf16 units (AMX / tensor
-    cores): every bf16 x bf16 product is exact in float32 and the sums are float32, so the result is the float32
-    product of the same numbers, about 3x sooner on CPU. Rounding the *output* to bf16 is what must never
-    happen: it breaks positive definiteness of the low-rank Hessians of experts that see few tokens.
+    H stays float32 and so do the sums. When x is bfloat16 on a GPU the product runs on the TF32 tensor cores:
+    every bf16 x bf16 product is exact there and the sums are float32, so the result is the float32 product of
+    the same numbers, sooner (on a CPU, oneDNN's bf16 inputs were about 3x sooner, but see below). Rounding the
+    *output* to bf16 is what must never happen: it breaks positive definiteness of the low-rank Hessians of
+    experts that see few tokens.
 
     H is symmetric, so for wide inputs only its row blocks from the diagonal rightwards are computed; the
     blocks below are left stale until `mirror_upper` (which gptq_quantize calls) copies them across.
     """
-    exact_bf16 = x.dtype == torch.bfloat16
+    # only on CUDA: the switch is process-wide, and on a CPU whose oneDNN takes bf16 inputs (AMX) the chunk
+    # workers' and writer threads' float32 matmuls ran in bf16 meanwhile (GPTQ on the Kimi fixture: other bytes
+    # on every run); a GPU run solves its experts on one thread
+    exact_bf16 = x.dtype == torch.bfloat16 and H.device.type == "cuda"
     x = x.reshape(-1, x.shape[-1]).to(H.dtype)
     with precision.bf16_products(H.device) if exact_bf16 else contextlib.nullcontext():
         for r1, r2 in _row_blocks(H.shape[0]):
@@ -76,6 +80,16 @@ def _thread_invariant(device: torch.device):
         torch.set_num_threads(before)
 
 
+def damping(base: float, tokens: int, width: int, most: float = 0.1) -> float:
+    """The dampening fraction of a Hessian summed from `tokens` rows of `width` inputs: `base` when the rows
+    outnumber the inputs; for fewer, base x width / tokens, at most `most` (MoE-Quant, behind the best public
+    DeepSeek-R1 W4A16, damps every Hessian 0.1): a Hessian of few tokens has rank below its width, its small
+    eigenvalues are noise, and GPTQ would spread errors along them."""
+    if tokens >= width:
+        return base
+    return min(most, max(base, base * width / max(tokens, 1)))
+
+
 def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None = None,
                   consume: bool = False, **params) -> tuple[torch.Tensor, bool]:
     """Codes [out, in] int8 for W [out, in] under fixed per-group scale [out, in/group]: the solve of
@@ -99,7 +113,7 @@ def gptq_quantize_batched(
     zero_point: torch.Tensor | None = None,
     num_bits: int = 4,
     blocksize: int = 128,
-    percdamp: float = 0.01,
+    percdamp: float | list[float] = 0.01,
     actorder: bool = True,
     consume: bool = False,
     fp4: bool = False,
@@ -119,7 +133,8 @@ def gptq_quantize_batched(
 
 
 def _quantize(W, H, scale, zero_point, release: torch.Tensor | None, num_bits: int = 4, blocksize: int = 128,
-              percdamp: float = 0.01, actorder: bool = True, fp4: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              percdamp: float | list[float] = 0.01, actorder: bool = True,
+              fp4: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The working copy, then `release` (the caller's Hessian tensor, whose storage goes), then the solve."""
     work, perm = _working_copy(H, actorder)
     if release is not None:
@@ -202,6 +217,8 @@ def _solve(W, H, perm, scale, zero_point, num_bits, blocksize, percdamp, fp4=Fal
         ZT = torch.zeros_like(ST)
         ZT[..., :out_features] = zero_point.transpose(1, 2)
 
+    if not isinstance(percdamp, float):  # one per matrix of the stack (damping)
+        percdamp = torch.tensor(percdamp, dtype=torch.float32, device=d.device).reshape(-1, 1)
     d.add_(percdamp * d.mean(-1, keepdim=True))
     Hinv, fallback = inverse_factor(H)
     del H, d
