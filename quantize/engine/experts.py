@@ -341,10 +341,10 @@ class LayerExperts:
         gate, up = w["gate_proj"].to(c), w["up_proj"].to(c)
         H_in = H_down = None
         if hessians:  # calibrated RTN: the diagonals alone, sums of x^2
-            square = (1,) if self.s.squares else (1, 1)
-            H_in = shared_in.clone() if shared_in is not None else torch.zeros(*(gate.shape[1],) * len(square),
+            dims = 1 if self.s.squares else 2
+            H_in = shared_in.clone() if shared_in is not None else torch.zeros(*(gate.shape[1],) * dims,
                                                                                device=self.s.device)
-            H_down = torch.zeros(*(gate.shape[0],) * len(square), device=self.s.device)
+            H_down = torch.zeros(*(gate.shape[0],) * dims, device=self.s.device)
         a_in = a_down = torch.zeros((), dtype=c, device=self.s.device)
         with torch.no_grad():
             for r in range(0, tokens.numel(), HESSIAN_ROWS):
