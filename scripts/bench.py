@@ -303,10 +303,10 @@ if not torch.cuda.is_available():
     # llm-compressor 0.14's AWQ pins its activation cache, which needs an accelerator; on CPU pinning is moot
     from llmcompressor.pipelines.cache import IntermediatesCache
     IntermediatesCache.pin_memory = lambda self, *a, **k: None
-src, out, samples_file, group, method, preset = sys.argv[1:3] + [sys.argv[3], int(sys.argv[4])] + sys.argv[5:7]
+src, out, samples_file, group, method, preset, dtype = sys.argv[1:3] + [sys.argv[3], int(sys.argv[4])] + sys.argv[5:8]
 ids = json.load(open(samples_file))
 ds = Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * len(x) for x in ids]})
-model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+model = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype))
 if preset == "w4a16":
     scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=4, group_size=group,
                                                                               symmetric=True, strategy="group", type="int"))
@@ -331,12 +331,27 @@ AutoTokenizer.from_pretrained(src).save_pretrained(out)
 PPL_TEXT = Path("/usr/share/common-licenses/GPL-3")
 
 
+def forward_dtype() -> torch.dtype:
+    """What the reference's forwards and every perplexity compute in: bf16, SmolLM2's own dtype, where the CPU
+    computes it natively, else float32 (a bf16 GEMM is ~50x slower on AVX2; bf16 weights widen exactly, and ours
+    computes its forwards the same way, quantize.compute). Every bench JSON records it."""
+    from quantize import compute
+
+    return compute.choose(torch.bfloat16, "cpu")
+
+
+def oneshot(src: Path, out: Path, samples: Path, group_size: int, method: str, scheme: str) -> list[str]:
+    """The command of llm-compressor's oneshot (ONESHOT) on SmolLM2-like `src`, in its own process."""
+    return [sys.executable, "-c", ONESHOT, str(src), str(out), str(samples), str(group_size), method, scheme,
+            str(forward_dtype()).removeprefix("torch.")]
+
+
 def perplexity(folder: Path, text: str, window: int = 512) -> float:
     """Mean next-token perplexity over non-overlapping windows of a held-out text."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=forward_dtype())
     ids = tok(text, return_tensors="pt")["input_ids"][0]
     nll, n = 0.0, 0
     with torch.no_grad():
@@ -407,8 +422,7 @@ def bench_calibrated(args) -> dict:
     rtn = measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs["rtn"]), *common])
     ref_rtn = None
     if fp4:  # FP4: the library's RTN too (A16: data-free)
-        ref_rtn = measure([sys.executable, "-c", ONESHOT, str(src), str(outs["llmc-rtn"]), str(work / "samples-0.json"),
-                           str(args.group_size), "rtn", args.scheme])
+        ref_rtn = measure(oneshot(src, outs["llmc-rtn"], work / "samples-0.json", args.group_size, "rtn", args.scheme))
     runs, ref_runs, cal_runs = {rule: [] for rule in rules}, [], []
     for seed in seeds:
         for _ in range(args.repeat):  # alternated, so that a slow spell of the machine weighs on every run alike
@@ -427,8 +441,7 @@ def bench_calibrated(args) -> dict:
                                            "--seq-len", str(args.seq_len), "--seed", str(seed),
                                            *(["--scales", rule] if rule else [])]))
             fresh(ref)
-            ref_runs.append(measure([sys.executable, "-c", ONESHOT, str(src), str(ref),
-                                     str(work / f"samples-{seed}.json"), str(args.group_size), m, args.scheme]))
+            ref_runs.append(measure(oneshot(src, ref, work / f"samples-{seed}.json", args.group_size, m, args.scheme)))
     ours, ref = best_of(runs[rules[0]]), best_of(ref_runs)
     text = PPL_TEXT.read_text()
     ppl = {"bf16": perplexity(src, text)} | {n: perplexity(d, text) for n, d in outs.items()}
@@ -465,6 +478,8 @@ def bench_calibrated(args) -> dict:
                   for s in seeds}
     return {
         "model": "SmolLM2-135M-Instruct", "method": m,
+        "forward_dtype": str(forward_dtype()).removeprefix("torch."),  # the reference's and the perplexities'
+
         "scheme": args.scheme if fp4 else f"w4a16 g{args.group_size} symmetric",
         "calibration": {"data": "pydoc_data.topics (running text, windows)", "num_samples": args.num_samples,
                         "seq_len": args.seq_len, "tokens": sum(x.numel() for x in samples[seeds[0]]), "seeds": seeds},
@@ -629,7 +644,7 @@ def bench_scale(args) -> dict:
     ours = measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs["gptq"]), "--scheme", "w4a16",
                     "--group-size", "128", "--method", "gptq", "--calib", str(data), "--num-samples",
                     str(args.num_samples), "--seq-len", str(args.seq_len), "--json"])
-    ref = measure([sys.executable, "-c", ONESHOT, str(src), str(outs["llmc-gptq"]), str(samples_file), "128", "gptq"])
+    ref = measure(oneshot(src, outs["llmc-gptq"], samples_file, 128, "gptq", "w4a16"))
     return {
         "model": f"synthetic Llama, {args.layers} layers, hidden {args.hidden}, intermediate {args.inter} (random bf16)",
         "source_bytes": sum(p.stat().st_size for p in src.glob("*.safetensors")),
@@ -649,7 +664,7 @@ def bench_search_cost(args) -> dict:
     experts in chunks) and the model's: the search's share of the expert work."""
     from torch.nn import functional as F
 
-    from quantize import recipe
+    from quantize import compute, recipe
     from quantize.quant import codec, gptq, scales
 
     torch.manual_seed(0)
@@ -662,9 +677,12 @@ def bench_search_cost(args) -> dict:
     # an expert's own work besides the solve, per token (measured on `tokens` rows, scaled to Kimi's count): its
     # Hessians (engine/experts.py: gptq.add_batch of x and of act(gate x) * up x) and its forwards (that product
     # in the calibration pass, the routed output after it)
-    x = torch.randn(args.tokens, args.hidden, device=dev).to(torch.bfloat16)
-    gate, up = [(torch.randn(args.moe_inter, args.hidden, device=dev) * 0.02).to(torch.bfloat16) for _ in range(2)]
-    down = (torch.randn(args.hidden, args.moe_inter, device=dev) * 0.02).to(torch.bfloat16)
+    # in the dtype the engine's forwards compute in (quantize.compute: float32 where bf16 is not native)
+    cdt = compute.choose(torch.bfloat16, dev)
+    out["compute_dtype"] = str(cdt).removeprefix("torch.")
+    x = torch.randn(args.tokens, args.hidden, device=dev).to(cdt)
+    gate, up = [(torch.randn(args.moe_inter, args.hidden, device=dev) * 0.02).to(cdt) for _ in range(2)]
+    down = (torch.randn(args.hidden, args.moe_inter, device=dev) * 0.02).to(cdt)
     H_in = torch.zeros(args.hidden, args.hidden, device=dev)
     H_down = torch.zeros(args.moe_inter, args.moe_inter, device=dev)
     t = time.perf_counter()
