@@ -90,11 +90,21 @@ def resolve_device(device: str) -> str:
 
 
 def load_recipe(recipe_path: str | None, scheme: str | None, group_size: int, method: str):
+    """The recipe of --recipe (an explicit --group-size overrides its INT4 group size) or of --scheme."""
     if recipe_path and scheme:
         raise click.UsageError("give --recipe or --scheme, not both")
-    if recipe_path:
-        return recipes.load(Path(recipe_path))
-    return recipes.preset(scheme or "w4a16", group_size, method)
+    if not recipe_path:
+        return recipes.preset(scheme or "w4a16", group_size, method)
+    r = recipes.load(Path(recipe_path))
+    source = click.get_current_context().get_parameter_source("group_size")
+    given = source not in (None, click.core.ParameterSource.DEFAULT)
+    if not given or r.scheme.group_size == group_size:
+        return r
+    s = r.scheme
+    if s.fp4 or s.fp8_block or s.w4afp8 or s.type != "int":
+        raise click.UsageError(f"--group-size {group_size}: {recipe_path}'s scheme fixes its own group size "
+                               f"({s.group_size or 'blocks'}); --group-size overrides only an INT4 W4A16 recipe's")
+    return dataclasses.replace(r, scheme=dataclasses.replace(s, group_size=group_size))
 
 
 COMPUTE_DTYPE_OPTION = click.option(
@@ -312,7 +322,7 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False), help="Recipe YAML (see recipes/).")
 @SCHEME_OPTION
 @click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
-              help="Columns per scale, with --scheme.")
+              help="Columns per scale: the --scheme's, or overriding an INT4 --recipe's.")
 @click.option("--method", type=click.Choice(["rtn", "gptq", "awq"]), help="Overrides the recipe's method (default rtn).")
 @click.option("--calib", help="Calibration data: .jsonl/.txt/.parquet file or Hub dataset org/name[:split]. gptq and "
               "awq need it; with rtn it chooses each group's scale by the inputs' E[x^2] (one forward per layer).")

@@ -269,3 +269,22 @@ def test_a_full_disk_is_a_clear_error_that_keeps_the_finished_shards(fixtures_di
     assert result.resumed_shards == len(kept)
     assert {p.name: p.read_bytes() for p in (tmp_path / "clean").iterdir()} == {
         p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+
+
+def test_group_size_given_with_a_recipe_overrides_its_int4_group_size(fixtures_dir, tmp_path):
+    """`--recipe R --group-size G` quantizes at G (it was silently ignored, R's size written); a recipe whose scheme
+    fixes its own size (FP4, FP8 blocks, W4AFP8) refuses an explicit other one."""
+    from click.testing import CliRunner
+
+    from quantize.cli import main
+
+    src = fixtures_dir / "llama-bf16"
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "g64"), "--recipe",
+                                  str(RECIPES / "dense-w4a16.yaml"), "--group-size", "64"])
+    assert r.exit_code == 0, r.output
+    group = config_of(tmp_path / "g64")["quantization_config"]["config_groups"]["group_0"]
+    assert group["weights"]["group_size"] == 64
+    fp4 = tmp_path / "nvfp4.yaml"
+    fp4.write_text("name: nvfp4\nscheme: {num_bits: 4, type: float, strategy: tensor_group, group_size: 16}\n")
+    r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "x"), "--recipe", str(fp4), "--group-size", "32"])
+    assert r.exit_code == 2 and "fixes its own group size" in r.output and not (tmp_path / "x").exists()

@@ -62,7 +62,7 @@ def test_a_layer_at_512_x_2048_tokens_chooses_its_offload_by_what_the_gpu_holds(
     # counted whatever the offload: the stack of routed experts (Kimi: 26 of 1.28 GB), the layer's other weights
     assert a.parts["expert stack"] > 30 * memory.GIB and a.parts["layer weights"] < memory.GIB
     line = a.line()
-    assert line.startswith(f"cuda:0: {total} GiB of {free / memory.GIB:.1f} free for layer ")
+    assert line.startswith(f"cuda:0: {total} GiB of {free / memory.GIB:.1f} GiB free for layer ") and " GiB)" in line
     if offload == "gpu":  # the activations, which offload moves: hidden states, the MoE inputs twice, the sums
         assert a.parts["hidden states"] == TOKENS * (7168 if "kimi" in config else 6144) * 2
         assert a.parts["MoE inputs (2 passes)"] == a.parts["routed sums"] == 2 * a.parts["hidden states"]

@@ -46,10 +46,11 @@ class Account:
         return sum(self.parts.values())
 
     def line(self) -> str:
-        parts = ", ".join(f"{k} {v / GIB:.1f}" for k, v in self.parts.items() if v >= GIB // 20)
+        unit, size = ("GiB", GIB) if self.total >= GIB // 2 else ("MiB", 2**20)  # a small model's parts in MiB
+        parts = ", ".join(f"{k} {v / size:.1f}" for k, v in self.parts.items() if v >= self.total // 50)
         where = {"gpu": "on the GPU", "cpu": "in host memory", "disk": "in mapped files"}[self.offload]
-        return (f"{self.device}: {self.total / GIB:.1f} GiB of {self.free / GIB:.1f} free for layer {self.layer}, "
-                f"activations {where} ({parts} GiB)")
+        return (f"{self.device}: {self.total / size:.1f} {unit} of {self.free / GIB:.1f} GiB free for layer "
+                f"{self.layer}, activations {where} ({parts} {unit})")
 
 
 def layer_parts(layer: Layer, tokens: int, seq_len: int, hidden: int, itemsize: int, resident: bool,
