@@ -13,6 +13,7 @@ norms, and K/V projections when there are fewer KV heads than ranks).
 """
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -75,12 +76,22 @@ def kv_per_token(cfg: dict, kv_bytes: int, tp: int = 1, mtp_layers: int = 0) -> 
 
 def rank_divisor(w: Weight, cfg: dict, tp: int) -> int:
     """How many ways TP splits this tensor (1: every rank holds all of it)."""
-    if len(w.shape) < 2 or REPLICATED.search(w.name) or w.role.kind in ("norm", "router"):
-        return 1
-    if re.search(r"self_attn\.(k|v)_proj", w.name):
+    split = _split(w.name, w.role.kind, len(w.shape))
+    if split == "kv_heads":
         kv_heads = int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])
         return min(tp, kv_heads)
-    return tp
+    return tp if split == "tp" else 1
+
+
+_KV_PROJ = re.compile(r"self_attn\.(k|v)_proj")
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _split(name: str, kind: str, ndim: int) -> str:
+    """replicated | kv_heads | tp (plan asks this of each tensor once per scenario)."""
+    if ndim < 2 or REPLICATED.search(name) or kind in ("norm", "router"):
+        return "replicated"
+    return "kv_heads" if _KV_PROJ.search(name) else "tp"
 
 
 def per_gpu_bytes(weights: list[Weight], cfg: dict, tp: int) -> float:
@@ -162,17 +173,23 @@ def _ignored(patterns: list[str], module: str) -> bool:
     return any(matches(p, module) for p in patterns)
 
 
-def weights_of(model: arch.Model, layout: list[tuple[str, tuple[int, ...]]], nbytes) -> list[Weight]:
-    """The layout's tensors with their roles and bytes; an MTP layer's Linears are marked Linear too (the
-    role leaves them out of recipes, but the source format stores them like any decoder layer's)."""
+def roles_of(model: arch.Model, layout: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...], Role]]:
+    """The layout's tensors with their roles, worked out once for every weights_of of one plan; an MTP layer's
+    Linears are marked Linear too (the role leaves them out of recipes, but the source format stores them like
+    any decoder layer's)."""
     out = []
     for name, shape in layout:
         role = model.role(name, len(shape))
         if role.kind == "mtp" and len(shape) == 2 and name.endswith(".weight"):
             leaf = role.module.rpartition(".")[2]
             role = dataclasses.replace(role, linear=leaf in model.arch.linear_leaves or leaf == "eh_proj")
-        out.append(Weight(name, shape, role, nbytes(name, shape, role)))
+        out.append((name, shape, role))
     return out
+
+
+def weights_of(typed: list[tuple[str, tuple[int, ...], Role]], nbytes) -> list[Weight]:
+    """The tensors of roles_of with their bytes under `nbytes`."""
+    return [Weight(name, shape, role, nbytes(name, shape, role)) for name, shape, role in typed]
 
 
 # ---- scenarios -------------------------------------------------------------------------------------------
@@ -393,10 +410,11 @@ def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None, disaggregate
         full = json.loads(cfg_path.read_text())
         model, layout = from_config(full)
         cfg = model.text_config
-        source = weights_of(model, layout, source_format_bytes(cfg))
+        layout = roles_of(model, layout)
+        source = weights_of(layout, source_format_bytes(cfg))
 
         def under(r) -> list[Weight]:
-            return weights_of(model, layout, recipe_bytes(r, model.arch.family))
+            return weights_of(layout, recipe_bytes(r, model.arch.family))
 
         what = "config only: shapes from transformers' model class, " + (
             "FP8 blocks" if (cfg.get("quantization_config") or {}).get("quant_method") == "fp8" else "as the config says")
@@ -419,12 +437,12 @@ def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None, disaggregate
         rows += [(_label(r), under(r)) for r in (recipe if isinstance(recipe, list) else [recipe])]
     scenarios = [scenario(label, w, cfg, kv, setup, model.num_mtp_layers) for kv in kv_dtypes for label, w in rows]
     if layout is None and (is_glm5(cfg) or is_kimi_k2(cfg)):
-        _, layout = from_config(cfg)
+        layout = roles_of(model, from_config(cfg)[1])
     all_int4 = rec_int4 = None
     if is_glm5(cfg) and layout is not None:
         glm = recipes.from_dict(GLM_EXPERTS_G32, "built-in GLM release scheme")
-        rec_int4 = weights_of(model, layout, recipe_bytes(glm, model.arch.family))
-        all_int4 = weights_of(model, layout, recipe_bytes(glm, model.arch.family, include_mtp=True))
+        rec_int4 = weights_of(layout, recipe_bytes(glm, model.arch.family))
+        all_int4 = weights_of(layout, recipe_bytes(glm, model.arch.family, include_mtp=True))
     claims = published_claims(cfg, source, all_int4, rec_int4)
     for c in claims:
         if not c.holds:

@@ -6,6 +6,7 @@ architecture declares. The same lists go into the output's quantization_config, 
 exactly the split we made.
 """
 
+import functools
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -157,9 +158,9 @@ class Recipe:
 
     def targets_module(self, module: str, is_linear: bool) -> bool:
         """Whether a module is quantized: a Linear that a target names and no ignore pattern matches."""
-        if not is_linear or any(matches(p, module) for p in self.ignore):
+        if not is_linear or any_matches(self.ignore, module):
             return False
-        return any(t == "Linear" or matches(t, module) for t in self.targets)
+        return "Linear" in self.targets or any_matches(self.targets, module)
 
     def quantization_config(self, extra_ignore: tuple[str, ...] = ()) -> dict:
         """The compressed-tensors `quantization_config` for config.json, built by the library itself."""
@@ -216,6 +217,20 @@ def matches(pattern: str, name: str) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], name) is not None
     return pattern == name
+
+
+def any_matches(patterns: tuple[str, ...], name: str) -> bool:
+    """Whether any pattern matches: `matches` of each, as one set lookup and one regex (plan asks this of each
+    of GLM-5's ~60,000 tensors per recipe)."""
+    names, regex = _matcher(patterns)
+    return name in names or (regex is not None and regex.match(name) is not None)
+
+
+@functools.lru_cache(maxsize=256)
+def _matcher(patterns: tuple[str, ...]) -> tuple[frozenset[str], re.Pattern | None]:
+    regexes = [p[3:] for p in patterns if p.startswith("re:")]
+    return (frozenset(p for p in patterns if not p.startswith("re:")),
+            re.compile("|".join(f"(?:{r})" for r in regexes)) if regexes else None)
 
 
 def _scheme(raw: object, where: str) -> Scheme:

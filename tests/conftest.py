@@ -21,6 +21,14 @@ RECIPE_FOR = {
 }
 
 
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (.ci/run: one worker per core), the tests that share the session's evaluation cache
+    run in one worker (`--dist loadgroup`), so SmolLM2's baseline is evaluated once, as in a single process."""
+    for item in items:
+        if "eval_cache" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("eval_cache"))
+
+
 def pytest_terminal_summary(terminalreporter):
     from quantize.compute import choose, cpu_capability
 
@@ -67,16 +75,64 @@ def config_of(folder: Path) -> dict:
     return json.loads((folder / "config.json").read_text())
 
 
+MODEL_FREE = r"""
+import json, os, sys, traceback
+replies = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)  # what the library prints goes to the log, never between the replies
+from llmcompressor.entrypoints.model_free import model_free_ptq
+for line in sys.stdin:
+    job = json.loads(line)
+    try:
+        model_free_ptq(job["src"], job["out"], scheme=job["scheme"], ignore=job["ignore"], max_workers=1, device="cpu")
+        replies.write(json.dumps({"ok": True}) + "\n")
+    except Exception:
+        replies.write(json.dumps({"ok": False, "error": traceback.format_exc()}) + "\n")
+    replies.flush()
+"""
+
+
+@pytest.fixture(scope="session")
+def model_free_ptq(tmp_path_factory):
+    """llm-compressor's model_free_ptq(src, out, scheme, ignore): the reference of the model-free schemes. It runs
+    in a process of its own (llm-compressor rewrites transformers' globals), one for the session: importing it
+    takes 13 s of an AVX2 CPU, and ten tests ask it for a reference."""
+    import subprocess
+
+    log = tmp_path_factory.mktemp("model-free") / "log.txt"
+    proc = None
+
+    def run(src: Path, out: Path, scheme: str, ignore: list[str]) -> None:
+        nonlocal proc
+        if proc is None:
+            proc = subprocess.Popen([sys.executable, "-c", MODEL_FREE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=log.open("w"), text=True)
+        proc.stdin.write(json.dumps({"src": str(src), "out": str(out), "scheme": scheme, "ignore": ignore}) + "\n")
+        proc.stdin.flush()
+        reply = proc.stdout.readline()
+        assert reply, f"model_free_ptq's process ended:\n{log.read_text()[-3000:]}"
+        reply = json.loads(reply)
+        assert reply["ok"], reply["error"]
+
+    yield run
+    if proc is not None:
+        proc.stdin.close()
+        proc.wait(timeout=120)
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """SmolLM2-135M-Instruct rebuilt by ../shared/scripts/build_smollm2.py (about a minute, then cached in the
     git-ignored .cache/ of the checkout)."""
+    import fcntl
     import subprocess
 
     out = ROOT / ".cache" / "smollm2"
-    if not (out / "model.safetensors").exists():
-        script = ROOT.parent / "shared" / "scripts" / "build_smollm2.py"
-        subprocess.run([sys.executable, str(script), str(out)], check=True)
+    out.parent.mkdir(exist_ok=True)
+    with open(ROOT / ".cache" / "smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build when several test workers ask at once
+        if not (out / "model.safetensors").exists():
+            script = ROOT.parent / "shared" / "scripts" / "build_smollm2.py"
+            subprocess.run([sys.executable, str(script), str(out)], check=True)
     return out
 
 

@@ -105,16 +105,11 @@ def _compare(ours: dict, ref: dict, ckpt, scheme: str) -> set[str]:
     return departed
 
 
-REFERENCE = r"""
-import sys
-from llmcompressor.entrypoints.model_free import model_free_ptq
-model_free_ptq(sys.argv[1], sys.argv[2], scheme=sys.argv[4], ignore=sys.argv[3].split(","), max_workers=1, device="cpu")
-"""
-
 
 @pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16"])
 @pytest.mark.parametrize("kind", ["glm4-moe-bf16", "glm5-bf16", "llama-bf16"])
-def test_fp4_output_is_model_free_ptqs_but_for_the_sets_it_does_not_fuse(kind, scheme, fixtures_dir, tmp_path):
+def test_fp4_output_is_model_free_ptqs_but_for_the_sets_it_does_not_fuse(kind, scheme, fixtures_dir, tmp_path,
+                                                                       model_free_ptq):
     """model_free_ptq on the same source (its own process), given our ignore list and what our Linear target never
     names, writes the same tensors, config and bytes. The one departure is on purpose: model_free_ptq shares an
     NVFP4 global scale only within attention's q/k/v and a dense MLP's gate/up, while vLLM also runs MLA's q_a /
@@ -131,11 +126,7 @@ def test_fp4_output_is_model_free_ptqs_but_for_the_sets_it_does_not_fuse(kind, s
     result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "ours"), "--scheme", scheme, "--json"])
     assert result.exit_code == 0, result.output
     ignore = config_of(tmp_path / "ours")["quantization_config"]["ignore"] + [r"re:.*mlp\.gate$", r"re:.*embed_tokens$"]
-    import subprocess
-    import sys
-
-    subprocess.run([sys.executable, "-c", REFERENCE, str(src), str(tmp_path / "ref"), ",".join(ignore), scheme.upper()],
-                   check=True, capture_output=True)
+    model_free_ptq(src, tmp_path / "ref", scheme.upper(), ignore)
     ours, ref = read_all(tmp_path / "ours"), read_all(tmp_path / "ref")
     departed = _compare(ours, ref, Checkpoint(src), scheme)
     if scheme == "nvfp4a16" and kind != "llama-bf16":
@@ -194,7 +185,7 @@ def test_plan_sizes_of_fp4_are_the_bytes_convert_writes(kind, scheme, fixtures_d
     stream.run(built, tmp_path / "out")
     written = sum(t.numel() * t.element_size() for t in read_all(tmp_path / "out").values())
     model, layout = from_config(json.loads((fixtures_dir / kind / "config.json").read_text()))
-    arithmetic = plan.weights_of(model, layout, plan.recipe_bytes(r, model.arch.family))
+    arithmetic = plan.weights_of(plan.roles_of(model, layout), plan.recipe_bytes(r, model.arch.family))
     assert sum(w.nbytes for w in arithmetic) == built.out_bytes == written
 
 

@@ -204,8 +204,8 @@ def test_nvfp4_w4a4_is_llm_compressors_layout_with_its_activation_scales(fixture
     (group,), (ref_group,) = (config_of(d)["quantization_config"]["config_groups"].values() for d in (out, tmp_path / "llmc"))
     assert group["input_activations"] == ref_group["input_activations"] and group["format"] == ref_group["format"]
     model, layout = from_config(json.loads((src / "config.json").read_text()))
-    arithmetic = planner.weights_of(model, layout, planner.recipe_bytes(recipe.preset("nvfp4", 128, method="gptq"),
-                                                                            model.arch.family))
+    nvfp4 = recipe.preset("nvfp4", 128, method="gptq")
+    arithmetic = planner.weights_of(planner.roles_of(model, layout), planner.recipe_bytes(nvfp4, model.arch.family))
     assert sum(w.nbytes for w in arithmetic) == sum(t.numel() * t.element_size() for t in ours.values())
     from transformers import AutoModelForCausalLM  # and it loads, every key taken (W4A4 modules too)
 

@@ -4,8 +4,6 @@ written beside the INT4 output in the same pass over the source."""
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -59,15 +57,9 @@ def test_block_math_is_byte_identical_to_compressed_tensors(shape, dtype):
     assert torch.equal(codes.view(torch.uint8), ref["weight"].view(torch.uint8))
 
 
-REFERENCE = r"""
-import sys
-from llmcompressor.entrypoints.model_free import model_free_ptq
-model_free_ptq(sys.argv[1], sys.argv[2], scheme="FP8_BLOCK", ignore=sys.argv[3].split(","), max_workers=1, device="cpu")
-"""
-
 
 @pytest.mark.parametrize("kind", ["glm4-moe-bf16", "glm5-bf16"])
-def test_fp8_block_output_is_byte_identical_to_model_free_ptq(kind, fixtures_dir, tmp_path):
+def test_fp8_block_output_is_byte_identical_to_model_free_ptq(kind, fixtures_dir, tmp_path, model_free_ptq):
     """The reference tool on the same source (in its own process: llm-compressor rewrites transformers' globals),
     given our output's ignore list (lm_head, the MTP layer) and what our Linear target never names (routers,
     embeddings), gives the same tensors and scheme."""
@@ -75,8 +67,7 @@ def test_fp8_block_output_is_byte_identical_to_model_free_ptq(kind, fixtures_dir
     result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "ours"), "--scheme", "fp8-block", "--json"])
     assert result.exit_code == 0, result.output
     ignore = config_of(tmp_path / "ours")["quantization_config"]["ignore"] + [r"re:.*mlp\.gate$", r"re:.*embed_tokens$"]
-    subprocess.run([sys.executable, "-c", REFERENCE, str(src), str(tmp_path / "ref"), ",".join(ignore)],
-                   check=True, capture_output=True)
+    model_free_ptq(src, tmp_path / "ref", "FP8_BLOCK", ignore)
     ours, ref = read_all(tmp_path / "ours"), read_all(tmp_path / "ref")
     assert set(ours) == set(ref)
     fp8_weights = [k for k, v in ours.items() if v.dtype == torch.float8_e4m3fn]
@@ -185,7 +176,8 @@ def test_a_fp8_block_source_passes_through_and_plan_counts_its_bytes(fixtures_di
     a, b = read_all(tmp_path / "a"), read_all(tmp_path / "b")
     assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
     model, layout = from_config(json.loads((fixtures_dir / "glm5-bf16" / "config.json").read_text()))
-    arithmetic = plan.weights_of(model, layout, plan.recipe_bytes(recipe.preset("fp8-block", 128), model.arch.family))
+    fp8_block = recipe.preset("fp8-block", 128)
+    arithmetic = plan.weights_of(plan.roles_of(model, layout), plan.recipe_bytes(fp8_block, model.arch.family))
     assert sum(w.nbytes for w in arithmetic) == first.out_bytes
 
 

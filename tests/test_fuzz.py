@@ -124,11 +124,16 @@ def sources(tmp_path_factory, fixtures_dir):
     """A private copy of a MoE FP8 (Kimi) and a dense BF16 (Llama) fixture whose config.json each example rewrites."""
     import shutil
 
+    from conftest import RECIPES
+
+    from quantize import recipe
+
     root = tmp_path_factory.mktemp("configs")
     out = {}
     for kind, recipe_name in (("kimi-k2-fp8", "kimi-k2-w4a16"), ("llama-bf16", "dense-w4a16")):
         shutil.copytree(fixtures_dir / kind, root / kind)
-        out[kind] = (root / kind, json.loads((root / kind / "config.json").read_text()), recipe_name)
+        out[kind] = (root / kind, json.loads((root / kind / "config.json").read_text()),
+                     recipe.load(RECIPES / f"{recipe_name}.yaml"))
     return out
 
 
@@ -142,14 +147,11 @@ def test_config_variants_fail_cleanly_or_convert_to_an_output_that_verifies(sour
     and what verify checks of config.json (the scheme) is in the plan."""
     import shutil
 
-    from conftest import RECIPES
-
-    from quantize import recipe
     from quantize.engine import stream
     from quantize.tensor_plan import build
     from quantize.verify import verify
 
-    src, real, recipe_name = sources[kind]
+    src, real, r = sources[kind]
     keys = sorted(real) + ["quantization_config", "text_config", "extra_key"]
     edits = data.draw(st.lists(st.tuples(st.sampled_from(keys), st.one_of(st.just(DELETE), config_value,
                                                                        lying_quantization)), min_size=1, max_size=3))
@@ -161,7 +163,6 @@ def test_config_variants_fail_cleanly_or_convert_to_an_output_that_verifies(sour
             cfg[k] = v
     doc = cfg if data.draw(st.integers(0, 49)) else data.draw(config_value)  # now and then not an object at all
     (src / "config.json").write_text(json.dumps(doc))
-    r = recipe.load(RECIPES / f"{recipe_name}.yaml")
     out = tmp_path / "out"
     try:
         try:

@@ -73,8 +73,24 @@ def run(cmd: list[str]) -> dict:
     return json.loads(p.stdout) if "--json" in cmd else {}
 
 
+def run_here(cmd: list[str]) -> None:
+    """An uninterrupted reference run of `python -m quantize ARGS`, in this process (the CLI's library path):
+    one interpreter start less than `run`."""
+    from click.testing import CliRunner
+
+    from quantize.cli import main
+
+    assert cmd[1:3] == ["-m", "quantize"]
+    r = CliRunner().invoke(main, cmd[3:])
+    assert r.exit_code == 0, r.output[-2000:]
+
+
 @pytest.mark.parametrize("engine", ["rtn", "gptq"])
 def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_bytes(engine, fixtures_dir, tmp_path):
+    """Each point is its own run, killed there and resumed; two at a time (each run is mostly one thread
+    importing torch and transformers, so two share the machine's cores at little cost to either)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     if engine == "rtn":
         src, extra = fixtures_dir / "kimi-k2-fp8", ["--recipe", str(RECIPES / "kimi-k2-w4a16.yaml")]
     else:
@@ -84,46 +100,56 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_bytes(engine, fixt
     base = [sys.executable, "-m", "quantize", "convert", str(src)]
     opts = [*extra, "--max-shard-size", "200KB", "--workers", "1", "--device", "cpu"]
     reference = tmp_path / "reference"
-    run([*base, str(reference), *opts])
+    run_here([*base, str(reference), *opts])
     want = files_of(reference)
     assert sum(n.endswith(".safetensors") for n in want) >= 7
-    killed, from_checkpoint = 0, 0
-    points = POINTS | (LAYER_POINTS if engine == "gptq" else {})
-    for k, (label, point) in enumerate(points.items()):
+
+    def kill_and_resume(k: int, label: str, point) -> tuple[int, dict] | None:
         out = tmp_path / f"out{k}"
         partial = out.with_name(out.name + ".partial")
         if not kill_at([*base, str(out), *opts], partial, point):
-            continue  # finished before reaching the point: nothing to resume
-        killed += 1
+            return None  # finished before reaching the point: nothing to resume
         assert not out.exists(), label
         assert lock.lock_path(out).exists()  # the killed job's record stays; its flock died with it
         saved = next_layer(partial)
         report = run([*base, str(out), *opts, "--resume", "--json"])
         assert files_of(out) == want, label
         assert not partial.exists() and not lock.lock_path(out).exists()
-        if engine == "gptq":  # the resume took every checkpointed layer instead of calibrating it again
-            assert report["calibration"]["resumed_layers"] == saved, label
-            from_checkpoint += saved > 0
-    assert killed >= 4, killed
+        return saved, report
+
+    # the writer's states, and for the layerwise engine its layer checkpoints too (for GPTQ, the shard states
+    # that differ from RTN's only in how many shards are done are left to RTN's run)
+    points = POINTS | (LAYER_POINTS if engine == "gptq" else {})
     if engine == "gptq":
-        assert from_checkpoint >= 2, from_checkpoint
+        points = {k: v for k, v in points.items() if k not in ("one shard done", "the last shards")}
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(kill_and_resume, range(len(points)), points, points.values()))
+    killed = [(label, r) for label, r in zip(points, done, strict=True) if r is not None]
+    assert len(killed) >= 4, killed
+    if engine == "gptq":  # the resume took every checkpointed layer instead of calibrating it again
+        for label, (saved, report) in killed:
+            assert report["calibration"]["resumed_layers"] == saved, label
+        assert sum(saved > 0 for _, (saved, _) in killed) >= 2, killed
 
 
-def glm5_gptq_reference(fixtures_dir, tmp_path) -> tuple[list[str], list[str], Path]:
-    """The command and options of a GPTQ run of the GLM-5 fixture, and its output from one uninterrupted rank."""
+@pytest.fixture(scope="module")
+def glm5_gptq_reference(fixtures_dir, tmp_path_factory) -> tuple[list[str], list[str], Path]:
+    """The command and options of a GPTQ run of the GLM-5 fixture, and its output from one uninterrupted rank
+    (one run for the tests that kill ranks of the same command)."""
+    tmp_path = tmp_path_factory.mktemp("glm5-reference")
     base = [sys.executable, "-m", "quantize", "convert", str(fixtures_dir / "glm5-bf16")]
     opts = ["--scheme", "w4a16", "--group-size", "32", "--method", "gptq", "--calib",
             str(calibration_samples(tmp_path, n=16)), "--num-samples", "8", "--seq-len", "64",
             "--max-shard-size", "200KB", "--workers", "1", "--device", "cpu"]
     reference = tmp_path / "reference"
-    run([*base, str(reference), *opts])
+    run_here([*base, str(reference), *opts])
     return base, opts, reference
 
 
-def test_several_ranks_killed_after_a_layer_resume_from_it_with_the_bytes_of_one(fixtures_dir, tmp_path):
+def test_several_ranks_killed_after_a_layer_resume_from_it_with_the_bytes_of_one(glm5_gptq_reference, tmp_path):
     """Rank 0 SIGKILLed once a layer is checkpointed (its spawned rank loses the connection and ends); the
     resume on two ranks starts from rank 0's checkpoint, the other rank told where by rank 0."""
-    base, opts, reference = glm5_gptq_reference(fixtures_dir, tmp_path)
+    base, opts, reference = glm5_gptq_reference
     out = tmp_path / "out"
     partial = out.with_name(out.name + ".partial")
     ranks = [*opts, "--devices", "cpu,cpu"]
@@ -142,14 +168,15 @@ def _ranks_of(pid: int) -> list:
 
 
 @pytest.mark.parametrize("victim", ["rank 1", "rank 0"])
-def test_a_dead_rank_ends_every_rank_in_seconds_naming_it_and_resume_gives_the_bytes(victim, fixtures_dir, tmp_path):
+def test_a_dead_rank_ends_every_rank_in_seconds_naming_it_and_resume_gives_the_bytes(victim, glm5_gptq_reference,
+                                                                                      tmp_path):
     """SIGKILL one rank of a `--devices cpu,cpu` GPTQ run once a layer is done: every other rank exits within a
     minute with one line naming the dead rank and the layer, no process is left, and --resume gives the bytes
     of an uninterrupted run. Under NCCL no collective notices a dead peer, so rank 0 watches the ranks it
     started and each rank watches rank 0 (engine/distributed.py); test_the_watch_names_... pins that path."""
     import psutil
 
-    base, opts, reference = glm5_gptq_reference(fixtures_dir, tmp_path)
+    base, opts, reference = glm5_gptq_reference
     out = tmp_path / "out"
     partial = out.with_name("out.partial")
     proc = subprocess.Popen([*base, str(out), *opts, "--devices", "cpu,cpu"], stdout=subprocess.DEVNULL,

@@ -84,7 +84,7 @@ def test_config_layout_is_the_checkpoints_own(fixtures_dir):
     extra = {n for n in stored if n not in shapes}
     assert all(".embed_tokens." in n or ".shared_head.head." in n for n in extra), sorted(extra)[:5]
     assert all(stored[n].shape == s for n, s in shapes.items()), [n for n, s in shapes.items() if stored[n].shape != s][:5]
-    weights = plan.weights_of(model, layout, plan.source_format_bytes(ckpt.config))
+    weights = plan.weights_of(plan.roles_of(model, layout), plan.source_format_bytes(ckpt.config))
     wrong = [w.name for w in weights if w.nbytes != stored[w.name].stored_bytes]
     assert not wrong, wrong[:5]
 

@@ -67,7 +67,7 @@ def test_plan_bytes_follow_the_indexer_rule(fixtures_dir):
     src = fixtures_dir / "glm5-bf16"
     built = build(Checkpoint(src), recipe.preset("w4a16", 64), 2**30)
     model, layout = from_config(json.loads((src / "config.json").read_text()))
-    arithmetic = plan.weights_of(model, layout, plan.recipe_bytes(recipe.preset("w4a16", 64), model.arch.family))
+    arithmetic = plan.weights_of(plan.roles_of(model, layout), plan.recipe_bytes(recipe.preset("w4a16", 64), model.arch.family))
     assert sum(w.nbytes for w in arithmetic) == built.out_bytes
 
 

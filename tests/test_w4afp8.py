@@ -2,8 +2,6 @@
 activations, one checkpoint with INT4's memory that runs FP8 tensor-core GEMMs on Hopper."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,15 +14,9 @@ from quantize.cli import main
 from quantize.errors import UsageError
 from quantize.tensor_plan import moe_tp_ok
 
-REFERENCE = r"""
-import sys
-from llmcompressor.entrypoints.model_free import model_free_ptq
-model_free_ptq(sys.argv[1], sys.argv[2], scheme="W4AFP8", ignore=sys.argv[3].split(","), max_workers=1, device="cpu")
-"""
-
 
 @pytest.mark.parametrize("kind", ["glm4-moe-bf16", "glm5-bf16"])
-def test_w4afp8_has_model_free_ptqs_codes_packed_as_the_engines_read_them(kind, fixtures_dir, tmp_path):
+def test_w4afp8_has_model_free_ptqs_codes_packed_as_the_engines_read_them(kind, fixtures_dir, tmp_path, model_free_ptq):
     """model_free_ptq(scheme="W4AFP8") writes the same codes and scales, but unpacked (`int-quantized`: an int8
     `weight` per Linear), which neither engine serves as W4AFP8: SGLang's _is_wint4afp8 asks for the
     pack-quantized format, and vLLM's CompressedTensorsW4A8Fp8.create_weights registers `weight_packed`. Ours is
@@ -37,8 +29,7 @@ def test_w4afp8_has_model_free_ptqs_codes_packed_as_the_engines_read_them(kind, 
         result = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / out), "--scheme", scheme])
         assert result.exit_code == 0, result.output
     ignore = config_of(tmp_path / "ours")["quantization_config"]["ignore"] + [r"re:.*mlp\.gate$", r"re:.*embed_tokens$"]
-    subprocess.run([sys.executable, "-c", REFERENCE, str(src), str(tmp_path / "ref"), ",".join(ignore)],
-                   check=True, capture_output=True)
+    model_free_ptq(src, tmp_path / "ref", "W4AFP8", ignore)
     ours, ref, int4 = read_all(tmp_path / "ours"), read_all(tmp_path / "ref"), read_all(tmp_path / "int4")
     assert set(ours) == set(int4) and all(torch.equal(ours[k], int4[k]) for k in ours)
     modules = [k.removesuffix(".weight_packed") for k in ours if k.endswith(".weight_packed")]
