@@ -7,6 +7,7 @@ exactly, so the weights are the same numbers, and the weights that get quantized
 dtype first, so that RTN's scales stay those of compressed-tensors. Only the forwards' rounding differs.
 """
 
+import contextlib
 import os
 
 import torch
@@ -55,3 +56,26 @@ def describe(model_dtype: torch.dtype, chosen: torch.dtype, device: torch.device
     why = (f"{str(model_dtype).removeprefix('torch.')} is slow on this CPU ({cpu_capability()})"
            if not native(model_dtype, device) else "as asked")
     return f"{name} ({why}; weights keep their dtype on disk)"
+
+
+@contextlib.contextmanager
+def widened_linears():
+    """Within it, a Linear whose weight is narrower than its input (a bf16 weight in a float32 forward) widens the
+    weight to the input's dtype, exactly. compressed-tensors (0.19) decompresses an NVFP4 or MXFP4 checkpoint's
+    weights in bf16 whatever dtype the model was loaded in (unpack_fp4_from_uint8's default), and its offloading
+    puts them on the module inside each forward, where model.to() cannot reach: so a float32 evaluation of an
+    FP4 checkpoint, as on an AVX2 CPU, stopped at its first GEMM (float != BFloat16)."""
+    from torch.nn import functional as F
+
+    linear = F.linear
+
+    def widened(x, weight, bias=None):
+        if weight.dtype != x.dtype and x.dtype == torch.float32 and weight.is_floating_point():
+            weight, bias = weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
+        return linear(x, weight, bias)
+
+    F.linear = widened
+    try:
+        yield
+    finally:
+        F.linear = linear

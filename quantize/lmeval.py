@@ -9,6 +9,7 @@ selection, filters and metrics are lm-eval's. MMLU becomes 57 subject tasks and 
 the size-weighted mean, as lm-eval's own group reports it.
 """
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -332,13 +333,17 @@ def _simple_evaluate(lm_eval, TaskManager, folder, tasks, backend, device, batch
                      include_path, include_defaults, trust_remote_code, dtype) -> dict:
     manager = (TaskManager(include_path=str(include_path), include_defaults=include_defaults) if include_path
                else TaskManager())
+    from quantize import compute
+
+    widen = compute.widened_linears() if backend == "hf" and dtype == "float32" else contextlib.nullcontext()
     try:
-        return lm_eval.simple_evaluate(
-            model=backend, model_args=model_args(backend, folder, tp, trust_remote_code, dtype), tasks=list(tasks),
-            num_fewshot=num_fewshot, batch_size=batch_size, device=device if backend == "hf" else None, limit=limit,
-            task_manager=manager, log_samples=True, random_seed=0, numpy_random_seed=1234,
-            torch_random_seed=1234, fewshot_random_seed=1234,
-        )
+        with widen:
+            return lm_eval.simple_evaluate(
+                model=backend, model_args=model_args(backend, folder, tp, trust_remote_code, dtype), tasks=list(tasks),
+                num_fewshot=num_fewshot, batch_size=batch_size, device=device if backend == "hf" else None,
+                limit=limit, task_manager=manager, log_samples=True, random_seed=0, numpy_random_seed=1234,
+                torch_random_seed=1234, fewshot_random_seed=1234,
+            )
     except Exception as e:  # lm-eval and the backends raise anything; the run cannot give a verdict
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise EvalError(f"lm-eval could not evaluate {folder}: {type(e).__name__}: {first}") from e

@@ -354,7 +354,9 @@ def perplexity(folder: Path, text: str, window: int = 512) -> float:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=forward_dtype())
     ids = tok(text, return_tensors="pt")["input_ids"][0]
     nll, n = 0.0, 0
-    with torch.no_grad():
+    from quantize import compute
+
+    with torch.no_grad(), compute.widened_linears():  # an FP4 checkpoint decompresses in bf16 (compute.py)
         for i in range(0, len(ids) - 1, window):
             chunk = ids[i : i + window + 1].unsqueeze(0)
             if chunk.shape[1] < 2:
@@ -422,7 +424,8 @@ def bench_calibrated(args) -> dict:
     rtn = measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs["rtn"]), *common])
     ref_rtn = None
     if fp4:  # FP4: the library's RTN too (A16: data-free)
-        ref_rtn = measure(oneshot(src, outs["llmc-rtn"], work / "samples-0.json", args.group_size, "rtn", args.scheme))
+        ref_rtn = measure(oneshot(src, outs["llmc-rtn"], work / f"samples-{seeds[0]}.json", args.group_size, "rtn",
+                                 args.scheme))
     runs, ref_runs, cal_runs = {rule: [] for rule in rules}, [], []
     for seed in seeds:
         for _ in range(args.repeat):  # alternated, so that a slow spell of the machine weighs on every run alike

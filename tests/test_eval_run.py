@@ -114,3 +114,22 @@ def test_the_gate_decides_on_smollm2_pass_fail_and_inconclusive(smollm2, tmp_pat
 
 ARC_ONLY = Path(__file__).parent / "data" / "gate-arc.yaml"
 
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16"])
+def test_an_fp4_candidate_evaluates_in_float32(scheme, fixtures_dir, tmp_path):
+    """compressed-tensors decompresses an FP4 checkpoint's weights in bf16 whatever dtype the model is loaded in,
+    so a float32 evaluation (the hf backend's on an AVX2 CPU, forced here) stopped at its first GEMM with
+    `float != BFloat16`, exit 2. Its weights now widen to the forward's dtype (compute.widened_linears): the
+    gate runs and decides."""
+    base = fixtures_dir / "llama-bf16"
+    cand = tmp_path / scheme
+    stream.run(build(Checkpoint(base), recipe.preset(scheme, 0), max_shard_size=2**30), cand)
+    r = CliRunner().invoke(main, ["eval", str(cand), "--baseline", str(base), "--tasks", "arc_challenge", "--limit", "2",
+                                  "--data-dir", str(DATA), "--device", "cpu", "--compute-dtype", "float32",
+                                  "--cache-dir", str(tmp_path / "cache"), "--gate", str(ARC_ONLY),
+                                  "--allow-inconclusive", "--json", str(tmp_path / "r.json")])
+    assert r.exit_code == 0, r.output
+    run = json.loads((tmp_path / "r.json").read_text())
+    assert run["candidate_from"] == "evaluated" and {v["samples"] for v in run["verdicts"]} == {2}
+    assert all(v["candidate"] is not None for v in run["verdicts"])
