@@ -342,8 +342,9 @@ def forward_dtype() -> torch.dtype:
 
 def oneshot(src: Path, out: Path, samples: Path, group_size: int, method: str, scheme: str) -> list[str]:
     """The command of llm-compressor's oneshot (ONESHOT) on SmolLM2-like `src`, in its own process."""
-    return [sys.executable, "-c", ONESHOT, str(src), str(out), str(samples), str(group_size), method, scheme,
-            str(forward_dtype()).removeprefix("torch.")]
+    # RTN is data-free (no forward): in the model's own dtype, so that its bytes compare with ours
+    dtype = "bfloat16" if method == "rtn" else str(forward_dtype()).removeprefix("torch.")
+    return [sys.executable, "-c", ONESHOT, str(src), str(out), str(samples), str(group_size), method, scheme, dtype]
 
 
 def perplexity(folder: Path, text: str, window: int = 512) -> float:
