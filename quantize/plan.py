@@ -168,9 +168,9 @@ def _float_bytes(name: str) -> int:
 
 
 def _ignored(patterns: list[str], module: str) -> bool:
-    from quantize.recipe import matches
+    from quantize.recipe import any_matches
 
-    return any(matches(p, module) for p in patterns)
+    return any_matches(tuple(patterns), module)
 
 
 def roles_of(model: arch.Model, layout: list[tuple[str, tuple[int, ...]]]) -> list[tuple[str, tuple[int, ...], Role]]:
