@@ -401,6 +401,38 @@ def test_a_batched_solve_of_experts_gives_each_experts_solo_codes(actorder, symm
             assert bool(fallback[k]) == solo[e][1]
 
 
+@pytest.mark.parametrize("solver", ["lapack", "cusolver-like"])
+def test_a_hessian_with_nan_or_inf_gives_rtn_codes_whatever_the_solver_reports(solver, monkeypatch):
+    """Calibration inputs that overflowed leave NaN or an infinity in a Hessian. cuSOLVER's Cholesky reports
+    info == 0 for such a matrix (pytorch #64818; LAPACK flags it), and `d == 0` misses NaN, so the codes came
+    from NaN cast to int8. The CPU twin of the GPU: `cusolver-like` is a Cholesky that never flags anything.
+    The broken experts of a stack fall back to RTN's codes; the good one keeps its solo codes."""
+    real = torch.linalg.cholesky_ex
+    if solver == "cusolver-like":
+        def never_flags(A, *, upper=False, check_errors=False, out=None):
+            L, info = real(A, upper=upper, check_errors=check_errors, out=out)
+            info.zero_()
+            return L, info
+        monkeypatch.setattr(torch.linalg, "cholesky_ex", never_flags)
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(3, 64, 256, generator=g) * 0.05
+    H = torch.zeros(3, 256, 256)
+    for e in range(3):
+        gptq.add_batch(H[e], correlated_inputs(800, 256, seed=20 + e))
+    H[1, 3, 5] = float("nan")
+    H[2, 7, 7] = float("inf")
+    scale = torch.stack([rtn.group_qparams(w, 32)[0] for w in W])
+    solo, flag = gptq.gptq_quantize(W[0], H[0].clone(), scale[0])
+    codes, fallback = gptq.gptq_quantize_batched(W, H.clone(), scale)
+    assert fallback.tolist() == [False, True, True] and not flag
+    assert torch.equal(codes[0], solo)
+    for e in (1, 2):
+        assert torch.equal(codes[e], rtn.quantize_groups(W[e], scale[e])), e
+    for e in (1, 2):  # the dense path (a stack of one) flags it too
+        alone, flag = gptq.gptq_quantize(W[e], H[e].clone(), scale[e])
+        assert flag and torch.equal(alone, codes[e])
+
+
 def test_the_solve_gives_the_same_bytes_on_any_number_of_cpu_threads():
     """Two CPU ranks split the cores (distributed.share_cores): a rank's results must not depend on its thread
     count. LAPACK's Cholesky rounds differently on two threads, so the solve factors on one; the triangular

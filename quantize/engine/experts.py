@@ -184,7 +184,7 @@ class Setting:
 @dataclass
 class Result:
     tensors: list[torch.Tensor]  # what replaces the weight, in the order of its plan entry's outputs (on the CPU)
-    fallback: bool  # Hessian not positive definite: RTN
+    fallback: bool  # Hessian not positive definite or not finite: RTN
     error: float  # relative Frobenius error of the dequantized weight
 
 

@@ -545,7 +545,7 @@ class LayerwiseQuantizer:
         for (e, leaf), r in sorted(results.items()):
             entry = targets[f"{rel[e]}{e}.{leaf}"]
             if r.fallback:
-                report.fallbacks.append(f"{entry.role.module} (Hessian not positive definite: RTN)")
+                report.fallbacks.append(f"{entry.role.module} (Hessian not positive definite or not finite: RTN)")
             self.stats.error[entry.role.kind].append(r.error)
             if entry.tensor.name in self.written:
                 continue
@@ -656,7 +656,7 @@ class LayerwiseQuantizer:
         largest magnitude of its calibration inputs (NVFP4 activations' global scale)."""
         W = module.weight.data
         if fallback:
-            report.fallbacks.append(f"{e.role.module} (Hessian not positive definite: RTN)")
+            report.fallbacks.append(f"{e.role.module} (Hessian not positive definite or not finite: RTN)")
         s = self.recipe.scheme
         Wq = codec.dequantize(s, codes, params).to(W.dtype)
         self.stats.error[e.role.kind].append(float((W.float() - Wq.float()).norm() / W.float().norm().clamp(min=1e-12)))

@@ -96,8 +96,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero_po
     gptq_quantize_batched (its `params`) with a stack of one, so the same codes as in any stack.
 
     H: sum of x x^T over the calibration inputs, [in, in], as add_batch leaves it (completed here, in place).
-    Returns (codes, fallback): fallback is True when H was not positive definite even after dampening, in which
-    case the codes are plain RTN.
+    Returns (codes, fallback): fallback is True when H was not positive definite even after dampening, or held a
+    NaN or an infinity, in which case the codes are plain RTN.
     consume: the caller's last use of H; its storage is released as soon as the working copy exists.
     """
     assert H.shape == (W.shape[1], W.shape[1]), f"H {tuple(H.shape)} for W {tuple(W.shape)}"
@@ -158,14 +158,27 @@ def _working_copy(H: torch.Tensor, actorder: bool) -> tuple[torch.Tensor, torch.
     return rows.gather(2, perm[:, None, :].expand(-1, n, -1)).float(), perm
 
 
-def inverse_factor(H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def non_finite(H: torch.Tensor) -> torch.Tensor:
+    """[E] bool: which Hessians of a stack [E, n, n] hold a NaN or an infinity (calibration inputs that
+    overflowed). Checked before factoring, whatever the solver says: cuSOLVER's Cholesky returns info == 0 for
+    a NaN input (pytorch #64818) where LAPACK flags it, and the codes would be NaN cast to int8."""
+    return ~torch.isfinite(H).flatten(1).all(1)
+
+
+def inverse_factor(H: torch.Tensor, broken: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """U, the upper Cholesky factor of H^-1, for a stack of damped Hessians [E, n, n] (H is consumed), and
-    which of them were not positive definite (their U is the identity: plain RTN).
+    which of them were not positive definite, or `broken` (non_finite) as given: their U is the identity, so
+    their codes are plain RTN.
 
     With P the order-reversing permutation and P H P = L L^T, U = P L^-1 P: one factorization and one
     triangular solve, where cholesky_inverse and a second Cholesky cost 2.3x as much (and cholesky_inverse runs
     4x slower again off the main thread, where the writer threads call the engine: 190 against 48 ms for 32
-    matrices of 512, measured)."""
+    matrices of 512, measured).
+
+    On a GPU each matrix is factored and solved alone: cuSOLVER and cuBLAS run a stack through their batched
+    kernels (potrfBatched, trsmBatched: made for small matrices) and one matrix through others, so a stack's
+    factors would depend on how many experts share it; one at a time, an expert's factor is the same in any
+    stack, and Kimi K2's [24, 7168, 7168] stacks get the kernels meant for their size."""
     E, n, _ = H.shape
     # LAPACK factors column-major matrices: a row-major H would be copied to that layout and back, and its
     # triangle zeroed across the grain (8 x 512 x 512: 23 ms against 19). So the flipped H is made column-major
@@ -174,14 +187,27 @@ def inverse_factor(H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # left H not exactly symmetric.
     H = H.mT.flip(-2, -1).contiguous().mT
     info = torch.empty(E, dtype=torch.int32, device=H.device)
-    with _thread_invariant(H.device):
-        L, info = torch.linalg.cholesky_ex(H, out=(H, info))  # in place
+    if H.device.type == "cuda":
+        for e in range(E):
+            L_e, info[e] = torch.linalg.cholesky_ex(H[e])
+            H[e] = L_e
+            del L_e
+        L = H
+    else:
+        with _thread_invariant(H.device):
+            L, info = torch.linalg.cholesky_ex(H, out=(H, info))  # in place
     del H
     L = L.contiguous()
     fallback = info != 0
+    if broken is not None:
+        fallback |= broken.to(fallback.device)
     eye = torch.eye(n, dtype=torch.float32, device=L.device)
     if fallback.any():
         L[fallback] = eye
+    if L.device.type == "cuda":
+        for e in range(E):
+            L[e] = torch.linalg.solve_triangular(L[e], eye, upper=False)
+        return L.flip(-2, -1), fallback
     return torch.linalg.solve_triangular(L, eye.expand(E, -1, -1), upper=False).flip(-2, -1), fallback
 
 
@@ -194,6 +220,9 @@ def _solve(W, H, perm, scale, zero_point, num_bits, blocksize, percdamp, fp4=Fal
     E, out_features, in_features = W.shape
     group_size = in_features // scale.shape[-1]
     q_min, q_max = (-6.0, 6.0) if fp4 else int_range(num_bits)
+    broken = non_finite(H)
+    if broken.any():  # solved as RTN (inverse_factor's fallback); the identity keeps NaN out of every step
+        H[broken] = torch.eye(in_features, dtype=H.dtype, device=H.device)
     d = H.diagonal(dim1=-2, dim2=-1)
     dead = d == 0
     d.masked_fill_(dead, 1)
@@ -220,7 +249,7 @@ def _solve(W, H, perm, scale, zero_point, num_bits, blocksize, percdamp, fp4=Fal
     if not isinstance(percdamp, float):  # one per matrix of the stack (damping)
         percdamp = torch.tensor(percdamp, dtype=torch.float32, device=d.device).reshape(-1, 1)
     d.add_(percdamp * d.mean(-1, keepdim=True))
-    Hinv, fallback = inverse_factor(H)
+    Hinv, fallback = inverse_factor(H, broken)
     del H, d
 
     codes_t = torch.empty(E, in_features, width, dtype=torch.int8, device=W.device)
