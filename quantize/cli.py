@@ -74,6 +74,18 @@ def fail(e: QuantizeError) -> None:
 
 
 
+def _group_up() -> bool:
+    """Whether this process is in a process group (imports torch only if it was imported already)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _refused(e: QuantizeError) -> bool:
+    """A refusal every rank agreed on (distributed.Refused), without importing torch for a plain error."""
+    dist = sys.modules.get("quantize.engine.distributed")
+    return dist is not None and isinstance(e, dist.Refused)
+
+
 def _launcher_rank() -> int:
     """This process's rank under torchrun (RANK with WORLD_SIZE > 1), else 0; read without importing torch."""
     return int(os.environ.get("RANK", 0)) if int(os.environ.get("WORLD_SIZE", 1)) > 1 else 0
@@ -163,18 +175,20 @@ def _samples(folder: Path, r, trust_remote_code: bool):
     return calib.load_samples(c.data, calib.load_tokenizer(folder, trust_remote_code), c.num_samples, c.seq_len, c.seed)
 
 
-def _torchrun_rank(src: str, r, dev: str, offload: str, allow_nonfinite: bool) -> None:
-    """A rank > 0 under torchrun: the same plan as rank 0, rank 0's samples, then its share of each layer."""
+def _torchrun_rank(src: str, r, dev: str, offload: str, allow_nonfinite: bool, max_shard_size: int, r2) -> None:
+    """A rank > 0 under torchrun: the same plan as rank 0, rank 0's samples and terms, then its share of each
+    layer and its own shards."""
     import torch
 
     from quantize.engine.layerwise import rank_job, run_rank
 
     folder, _ = hub.resolve(src)
-    run_rank(rank_job(folder, r, [dev], offload, allow_nonfinite), torch.device(dev))
+    run_rank(rank_job(folder, r, [dev], offload, allow_nonfinite, max_shard_size=max_shard_size, prefill_recipe=r2),
+             torch.device(dev))
 
 
 def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_code: bool, bar: Progress,
-                 devices: list[str], compute_dtype: str, launch=None):
+                 devices: list[str], compute_dtype: str, launch=None, r2=None):
     """The layerwise engine hook for stream.run, with a progress task per layer."""
     import torch
 
@@ -199,7 +213,7 @@ def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_cod
         bar.update(experts, completed=e + 1, total=total, visible=True, description=f"expert {e + 1}/{total}")
 
     calibrated = Calibrated(plan, samples, torch.device(dev), offload, on_layer=on_layer, devices=devices,
-                            on_expert=on_expert, compute_dtype=compute_dtype, launch=launch)
+                            on_expert=on_expert, compute_dtype=compute_dtype, launch=launch, prefill_recipe=r2)
     err.print(f"layer forwards in {compute.describe(plan.ckpt.dtype, calibrated.compute, dev)}", highlight=False)
     err.print(f"memory: {calibrated.account.line()}", highlight=False)
     return calibrated
@@ -398,7 +412,8 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
       quantize convert zai-org/GLM-4.6 out/glm-int4 --recipe recipes/glm-w4a16.yaml --resume
       quantize convert zai-org/GLM-5 out/glm5-int4 --recipe recipes/glm-w4a16.yaml --prefill-out out/glm5-fp8
     """
-    calibrated, ok, distributed, launch, holds = None, False, None, None, []
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 14 GiB blocks churn each layer
+    calibrated, ok, distributed, launch, holds, code = None, False, None, None, [], 1
     device_list = [d.strip() for d in devices.split(",")] if devices else []
     try:
         if device_list:
@@ -445,8 +460,15 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         if ranks > distributed.GROUPS:
             raise click.UsageError(f"{ranks} ranks: at most {distributed.GROUPS} share a conversion (the work is "
                                    f"split in {distributed.GROUPS} fixed groups); use fewer devices")
+        r2 = None
+        if prefill_out:
+            r2 = recipes.load(Path(prefill_recipe)) if prefill_recipe else r.fp8_block_variant()
+            if r2.calibrated:
+                raise click.UsageError("--prefill-recipe: the second output is written in the same pass, data-free; "
+                                       "give it method rtn")
         if torchrun and distributed.init_torchrun(dev, rank_timeout * 60) != 0:
-            _torchrun_rank(src, r, dev, offload, allow_nonfinite)
+            _torchrun_rank(src, r, dev, offload, allow_nonfinite, max_shard_size, r2)
+            ok = True
             return
         folder, info = hub.resolve(src)
         check_apart(folder, outputs)
@@ -457,16 +479,12 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         if len(device_list) > 1:  # the other ranks start now: their imports overlap the planning below
             from quantize.engine.layerwise import rank_job, run_rank
 
-            launch = distributed.Launch(rank_job(folder, r, device_list, offload, allow_nonfinite, rank_timeout * 60),
-                                        run_rank)
+            launch = distributed.Launch(rank_job(folder, r, device_list, offload, allow_nonfinite, rank_timeout * 60,
+                                                 max_shard_size=max_shard_size, prefill_recipe=r2), run_rank)
         ckpt = Checkpoint(folder, allow_nonfinite)
         plan = tensor_plan.build(ckpt, r, max_shard_size, tp=tp, workers=workers, device=dev)
         prefill = None
         if prefill_out:
-            r2 = recipes.load(Path(prefill_recipe)) if prefill_recipe else r.fp8_block_variant()
-            if r2.calibrated:
-                raise click.UsageError("--prefill-recipe: the second output is written in the same pass, data-free; "
-                                       "give it method rtn")
             plan, plan2 = tensor_plan.pair(plan, tensor_plan.build(ckpt, r2, max_shard_size, tp=tp, workers=workers,
                                                                    device=dev), max_shard_size)
             prefill = (plan2, Path(prefill_out))
@@ -491,7 +509,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             task = bar.add_task("converting", total=plan.src_bytes, bytes=True)
             if r.calibrated:
                 calibrated = _calibration(plan, folder, r, dev, offload, trust_remote_code, bar, device_list,
-                                          compute_dtype, launch)
+                                          compute_dtype, launch, r2)
             result = stream.run(
                 plan, out_path, device=dev, workers=workers, resume=resume, overwrite=overwrite, source_info=info,
                 progress=lambda done, total: bar.update(task, completed=done, total=total), calibrated=calibrated,
@@ -499,24 +517,42 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             )
         ok = True
     except QuantizeError as e:
-        fail(e)
+        if not _refused(e):  # a refusal all ranks agreed on is rank 0's to say
+            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        code = e.exit_code
+    except click.UsageError as e:
+        if not _group_up():
+            raise
+        err.print(f"[bold red]error:[/] {e.format_message()}", highlight=False, soft_wrap=True)
+        code = 2
     except KeyboardInterrupt:
         err.print(f"interrupted; finished shards are kept: rerun with --resume to continue {out_dir}")
-        sys.exit(130)
+        code = 130
     except Exception:
         died = launch.dead() if launch is not None else None
         if died is None:
-            raise
-        fail(QuantizeError(died))  # gloo's error for a dead peer's connection: the rank and the layer instead
+            if not _group_up():
+                raise
+            err.print_exception()
+            code = 1
+        else:  # gloo's error for a dead peer's connection: the rank and the layer instead
+            err.print(f"[bold red]error:[/] {died}", highlight=False, soft_wrap=True)
+            code = 1
     finally:
         if calibrated is not None:
             calibrated.close(ok)
         elif launch is not None:
             launch.close()
         if distributed is not None and distributed.launched_by_torchrun():
-            distributed.finish(None)
+            distributed.leave(ok)
         for h in holds:
             h.release()
+    if not ok:
+        if _group_up():  # the group's destructor may wait on NCCL work a failed peer never completes
+            from quantize.engine import distributed as dist_
+
+            dist_.exit_now(code)
+        sys.exit(code)
     report = {
         "out": str(result.out),
         "seconds": round(result.seconds, 3),
@@ -558,6 +594,8 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
             "seconds_per_layer": [round(x.seconds, 3) for x in stats.layers],
             "seconds_per_phase": [{k: round(v, 3) for k, v in x.phases.items()} for x in stats.layers],
             "experts_calibrated": sum(x.experts_calibrated for x in stats.layers),
+            # each rank's seconds per phase, its loop's waits and its writers' (an idle GPU shows as a number)
+            "ranks": stats.ranks,
             "fallbacks": [f for x in stats.layers for f in x.fallbacks],
             "mean_relative_weight_error": stats.mean_error(),
             "tokens_per_expert": {x.layer: x.tokens_per_expert for x in stats.layers if x.tokens_per_expert},

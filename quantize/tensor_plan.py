@@ -48,6 +48,20 @@ class Plan:
     # NVFP4: each quantized weight an engine fuses with others -> the weights of its set, which share one global
     # scale (fused_sets)
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # Calibrated plans (calibrated_layout): each shard's stream (0: all but the routed experts; 1 + g: the routed
+    # experts of group g, written by the rank that solves them) and its segment (an index into `segments`, the
+    # layer ranges whose shards close together: the unit of resume; None outside the decoder layers). Empty
+    # for a stream plan: one stream, no segments.
+    shard_streams: list[int] = field(default_factory=list)
+    shard_segments: list[int | None] = field(default_factory=list)
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    max_shard_size: int = 0  # what build was given (another rank rebuilds the same layout from it)
+
+    def stream_of(self, shard: int) -> int:
+        return self.shard_streams[shard] if self.shard_streams else 0
+
+    def segment_of(self, shard: int) -> int | None:
+        return self.shard_segments[shard] if self.shard_segments else None
 
     @property
     def shard_names(self) -> list[str]:
@@ -272,14 +286,24 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
         warnings.append(f"TP {tp} is outside what Marlin kernels serve for these shapes (TP {served or 'none'})")
     if recipe.kv_cache:
         entries += kv_scale_entries(model, dtype)
-    if recipe.calibrated:
-        # the calibrated engine finishes one layer at a time: lay the output out layer by layer
-        entries.sort(key=_layer_order)
-    shards = _assign_shards(entries, max_shard_size)
     extra = _extra_ignore(model, list(ckpt.tensors))
     if engine_kept:
         extra += serving.engine_ignore(model.arch.family, recipe.scheme.fp8_block)
-    plan = Plan(ckpt, model, recipe, entries, shards, extra, served, warnings)
+    if recipe.calibrated:
+        # the calibrated engine finishes one layer at a time, the routed experts on the rank that owns them
+        entries.sort(key=_layer_order)
+        keys = calibrated_keys(entries, max_shard_size, model.n_routed_experts or 0)
+        entries = sorted(entries, key=lambda e: keys[e.tensor.name])  # stable: a layer keeps the source's order
+        shards, shard_keys = _assign_shards(entries, max_shard_size, [keys[e.tensor.name] for e in entries])
+        segments = layer_segments(keys.values(), model.num_hidden_layers)
+        starts = [lo for lo, _ in segments]
+        plan = Plan(ckpt, model, recipe, entries, shards, extra, served, warnings,
+                    shard_streams=[k[1] for k in shard_keys],
+                    shard_segments=[starts.index(k[0]) if 0 <= k[0] < POST else None for k in shard_keys],
+                    segments=segments, max_shard_size=max_shard_size)
+    else:
+        plan = Plan(ckpt, model, recipe, entries, _assign_shards(entries, max_shard_size)[0], extra, served, warnings,
+                    max_shard_size=max_shard_size)
     if recipe.scheme.fp4 == "nvfp4":
         plan.fused = fused_sets([e.tensor.name for e in entries if e.action == "quantize"])
     check_memory(plan, workers, device)
@@ -289,26 +313,24 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
 def pair(plan: Plan, prefill: Plan, max_shard_size: int) -> tuple[Plan, Plan]:
     """Two plans over the same source laid out for one pass (engine/stream.py write_shard_pair): the prefill
     plan's entries in the main plan's order and shard i of both holding the same source tensors, each shard
-    split where either output would pass max_shard_size. Entries with no twin (KV scales) never open a shard."""
+    split where either output would pass max_shard_size (and, for a calibrated plan, never across its streams
+    and segments). Entries with no twin (KV scales) never open a shard."""
     assert plan.ckpt is prefill.ckpt, "a pair converts one source"
     twins = {e.tensor.name: e for e in prefill.entries}
-    a: list[list[Entry]] = [[]]
-    b: list[list[Entry]] = [[]]
-    size = 0
-    for e in plan.entries:
-        twin = twins.get(e.tensor.name)
-        n = max(e.out_bytes, twin.out_bytes if twin else 0)
-        if twin is not None and a[-1] and size + n > max_shard_size:
-            a.append([])
-            b.append([])
-            size = 0
-        a[-1].append(e)
-        if twin is not None:
-            b[-1].append(twin)
-        size += n
+    entries = [e for shard in plan.shards for e in shard]
+    keys = [(plan.segment_of(i), plan.stream_of(i)) for i, shard in enumerate(plan.shards) for _ in shard]
+    size = {e.tensor.name: max(e.out_bytes, twins[e.tensor.name].out_bytes if e.tensor.name in twins else 0)
+            for e in entries}
+    a, shard_keys = _assign_shards(entries, max_shard_size, keys, lambda e: size[e.tensor.name],
+                                   opens=lambda e: e.tensor.name in twins)
+    b = [[twins[e.tensor.name] for e in shard if e.tensor.name in twins] for shard in a]
     assert sum(map(len, b)) == len(prefill.entries), "the prefill plan has tensors the main plan does not"
-    return (dataclasses.replace(plan, shards=a),
-            dataclasses.replace(prefill, entries=[e for s in b for e in s], shards=b))
+    layout = {}
+    if plan.shard_streams:
+        layout = dict(shard_streams=[k[1] for k in shard_keys], shard_segments=[k[0] for k in shard_keys],
+                      segments=plan.segments)
+    return (dataclasses.replace(plan, shards=a, **layout),
+            dataclasses.replace(prefill, entries=[e for s in b for e in s], shards=b, **layout))
 
 
 def kv_scale_entries(model: arch.Model, dtype: str) -> list[Entry]:
@@ -336,24 +358,82 @@ def _lattice_note(e: Entry, scheme) -> str:
             "share one scale): those codes and scales stay the source's")
 
 
+# Where a calibrated plan's entries go: (position, stream). Position -1 is before the decoder layers (the
+# embedding), POST after them (norm, lm_head, MTP); a layer's position is its segment's first layer.
+POST = 1 << 30
+
+
 def _layer_order(e: Entry) -> int:
     if e.role.kind == "embedding":
         return -1
     if e.role.layer is not None and e.role.kind != "mtp":
         return e.role.layer
-    return 1 << 30
+    return POST
 
 
-def _assign_shards(entries: list[Entry], max_shard_size: int) -> list[list[Entry]]:
+def _assign_shards(entries: list[Entry], max_shard_size: int, keys: list | None = None, size=None,
+                   opens=None) -> tuple[list[list[Entry]], list]:
+    """Consecutive entries into shards of at most max_shard_size (`size(e)`, its output bytes by default; one
+    larger entry alone), a new shard wherever the key changes; returns the shards and each one's key. An entry
+    with opens(e) false never starts a shard of its own (a pair's KV scales, which have no twin)."""
+    size = size or (lambda e: e.out_bytes)
+    keys = keys if keys is not None else [None] * len(entries)
     shards: list[list[Entry]] = [[]]
-    size = 0
-    for e in entries:
-        if shards[-1] and size + e.out_bytes > max_shard_size:
+    shard_keys = [keys[0] if keys else None]
+    n = 0
+    for e, k in zip(entries, keys, strict=True):
+        if shards[-1] and (k != shard_keys[-1] or (n + size(e) > max_shard_size and (opens is None or opens(e)))):
             shards.append([])
-            size = 0
+            shard_keys.append(k)
+            n = 0
         shards[-1].append(e)
-        size += e.out_bytes
-    return shards
+        n += size(e)
+    return shards, shard_keys
+
+
+def _expert_group(e: Entry, n_experts: int) -> int | None:
+    """The group (engine/distributed.GROUPS) of a routed expert's tensor, None for any other."""
+    from quantize.engine.distributed import group_of
+
+    if e.role.kind != "expert" or e.role.expert is None or not n_experts:
+        return None
+    return group_of(e.role.expert, n_experts)
+
+
+def calibrated_keys(entries: list[Entry], max_shard_size: int, n_experts: int) -> dict[str, tuple[int, int]]:
+    """(segment start, stream) of each entry of a calibrated plan, by tensor name (entries in layer order).
+
+    The routed experts of group g are stream 1 + g, everything else stream 0; the rank that solves a group
+    writes its stream, rank 0 the rest (engine/writers.py). Segments are runs of consecutive layers in which no
+    stream passes max_shard_size (a layer alone may), so every stream's shards break where a segment does, and
+    a segment's shards are all finished together: the activations entering a segment are the one layer
+    checkpoint that a resume needs (engine/layer_state.py). Shards are laid out the same way for any number of
+    ranks, so the output's bytes never depend on it. Before the layers is -1 (the embedding), after them POST."""
+    stream = {e.tensor.name: 1 + g if (g := _expert_group(e, n_experts)) is not None else 0 for e in entries}
+    by_layer: dict[int, dict[int, int]] = {}
+    for e in entries:
+        p = _layer_order(e)
+        if 0 <= p < POST:
+            sizes = by_layer.setdefault(p, {})
+            sizes[stream[e.tensor.name]] = sizes.get(stream[e.tensor.name], 0) + e.out_bytes
+    start_of: dict[int, int] = {}
+    lo, held = None, {}
+    for layer, sizes in sorted(by_layer.items()):
+        grown = {k: held.get(k, 0) + sizes.get(k, 0) for k in held.keys() | sizes.keys()}
+        if lo is None or max(grown.values()) > max_shard_size:
+            lo, grown = layer, dict(sizes)
+        start_of[layer], held = lo, grown
+    out = {}
+    for e in entries:
+        p = _layer_order(e)
+        out[e.tensor.name] = (start_of[p] if 0 <= p < POST else -1 if p < 0 else POST, stream[e.tensor.name])
+    return out
+
+
+def layer_segments(keys, num_layers: int) -> list[tuple[int, int]]:
+    """[lo, hi) of each layer segment, from calibrated_keys' segment starts."""
+    starts = sorted({k[0] for k in keys if 0 <= k[0] < POST})
+    return list(zip(starts, [*starts[1:], num_layers], strict=True))
 
 
 def peak_work_bytes(plan: Plan, workers: int) -> int:
@@ -363,6 +443,8 @@ def peak_work_bytes(plan: Plan, workers: int) -> int:
 
 
 def check_memory(plan: Plan, workers: int, device: str) -> None:
+    if workers == 0:  # a rank > 0: what its writers hold is in the account every rank agrees on (agreement.py)
+        return
     need = peak_work_bytes(plan, workers)
     if device.startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(torch.device(device))

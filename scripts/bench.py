@@ -844,6 +844,24 @@ print(rc.stdout)
 """
 
 
+KIMI_LAYER_OUTPUT_BYTES = 9e9  # Kimi K2 in the release recipe: ~550 GB over 61 layers, ~93% of it routed experts
+
+
+def _writers_summary(ranks: list[dict], layers: int) -> dict:
+    """Each rank's writers (bytes, seconds busy writing and hashing, waiting for layers), their throughput, and
+    what it means for a Kimi K2 layer on 8 GPUs: one writer for all of it against each rank writing its share."""
+    per_rank = [{"rank": r["rank"], "bytes": sum(w["bytes"] for w in r["writers"]),
+                 "busy_s": sum(w["busy"] for w in r["writers"]),
+                 "waiting_for_layers_s": sum(w["waiting_for_layers"] for w in r["writers"]),
+                 "compute_s": r["seconds"], "loop_waited_for_writers_s": r["waited_for_writers"]} for r in ranks]
+    written = sum(r["bytes"] for r in per_rank)
+    busy = sum(r["busy_s"] for r in per_rank)
+    rate = written / max(busy, 1e-9)
+    return {"per_rank": per_rank, "bytes_per_busy_second": rate, "layers": layers,
+            "kimi_8_gpus_writer_seconds_per_layer": {"one_writer": KIMI_LAYER_OUTPUT_BYTES / rate,
+                                                     "per_rank_writers": KIMI_LAYER_OUTPUT_BYTES / (8 * rate)}}
+
+
 def bench_moe_ranks(args) -> dict:
     """1 rank vs 2 gloo ranks, new code vs --old, on a DeepSeek-V3-architecture MoE checkpoint."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -887,6 +905,7 @@ def bench_moe_ranks(args) -> dict:
                                                  if x.startswith("ROUTED ")][1:]
             else:
                 row["seconds_per_phase"] = cal["seconds_per_phase"]
+                row["ranks"] = cal.get("ranks", [])
                 row["routed_phase_per_layer"] = [p.get("experts", 0) + p.get("routed_output_and_exchange", 0)
                                                  for p in cal["seconds_per_phase"]][1:]
             runs[f"{code}_{ranks}_rank" + ("_1_core" if pin else "")] = row
@@ -899,6 +918,9 @@ def bench_moe_ranks(args) -> dict:
         "two_ranks_speedup": runs["new_1_rank"]["seconds"] / runs["new_2_rank"]["seconds"],
         "two_ranks_bytes": compare_outputs(outs["new_1"], outs["new_2"]),
     }
+    result["writers"] = _writers_summary(runs["new_2_rank"]["ranks"], len(runs["new_2_rank"]["seconds_per_layer"]))
+    if args.old and args.old_ranks:  # the old code: rank 0's one writer wrote and hashed every shard
+        result["wall_one_writer_vs_per_rank_writers"] = runs["old_2_rank"]["seconds"] / runs["new_2_rank"]["seconds"]
     if "new_1_1_core" in outs:
         result["two_ranks_speedup_vs_one_core"] = runs["new_1_rank_1_core"]["seconds"] / runs["new_2_rank"]["seconds"]
         result["one_core_bytes"] = compare_outputs(outs["new_1"], outs["new_1_1_core"])

@@ -172,7 +172,7 @@ def test_resume_after_a_failure_finishes_with_identical_bytes(fixtures_dir, tmp_
     r = recipe.load(RECIPES / "kimi-k2-w4a16.yaml")
     plan = build(Checkpoint(fixtures_dir / "kimi-k2-fp8"), r, max_shard_size=2**20)
     stream.run(plan, tmp_path / "clean")
-    dies_on_call(monkeypatch, stream, "write_shard", 3, lambda: stream.run(plan, tmp_path / "out"))
+    dies_on_call(monkeypatch, stream, "write_shard_pair", 3, lambda: stream.run(plan, tmp_path / "out"))
     assert not (tmp_path / "out").exists() and (tmp_path / "out.partial" / "state.json").exists()
     with pytest.raises(UsageError, match="--resume"):
         stream.run(plan, tmp_path / "out")

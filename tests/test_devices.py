@@ -53,6 +53,7 @@ def test_a_torchrun_rank_binds_the_gpu_of_its_local_rank(cuda, monkeypatch, devi
     groups = []
     monkeypatch.setattr(distributed.dist, "init_process_group", lambda backend, **kw: groups.append((backend, kw)))
     monkeypatch.setattr(distributed.dist, "get_rank", lambda: 1)
+    fake_store(monkeypatch, {0: "node-a GPU-0"})
     for k, v in TORCHRUN.items():
         monkeypatch.setenv(k, v)
     dev = devices.torchrun_device(device, TORCHRUN, devices.visible_gpus())
@@ -62,10 +63,53 @@ def test_a_torchrun_rank_binds_the_gpu_of_its_local_rank(cuda, monkeypatch, devi
     assert groups[0][0] == "nccl" and groups[0][1]["rank"] == 1
 
 
+def fake_store(monkeypatch, others: dict[int, str]) -> None:
+    """torchrun's store as init_torchrun reads it: what the other ranks wrote ("host uuid"), and this one's GPU
+    named by its index."""
+    from types import SimpleNamespace
+
+    class Store(dict):
+        def set(self, k, v):
+            self[k] = v.encode()
+
+        def get(self, k):
+            return dict.__getitem__(self, k)
+
+    store = Store({f"quantize/gpu/{r}": v.encode() for r, v in others.items()})
+    monkeypatch.setattr(distributed.dist.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 1 + len(others))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(uuid=f"GPU-{torch.device(d).index}"))
+    monkeypatch.setattr("socket.gethostname", lambda: "node-a")
+
+
+def test_torchrun_with_one_visible_gpu_per_process_or_no_local_world_size_is_served(cuda, monkeypatch):
+    """SLURM's --gpus-per-task=1 gives each process one visible GPU: it is cuda:0 of every rank, whatever
+    LOCAL_RANK says (it used to be refused, LOCAL_WORLD_SIZE 2 > 1 visible). A multi-node launcher that does not
+    set LOCAL_WORLD_SIZE no longer falls back to WORLD_SIZE."""
+    assert devices.torchrun_device("cuda", TORCHRUN, 1) == "cuda:0"
+    assert devices.torchrun_device("auto", {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1"}, 8) == "cuda:1"
+    assert devices.torchrun_device("cuda:0", TORCHRUN, 1) == "cuda:0"  # the one GPU this process sees
+    assert devices.shared_gpu(["a GPU-0", "a GPU-1", "b GPU-0"]) is None  # the same uuid on two hosts is no clash
+    assert devices.shared_gpu(["a GPU-0", "a GPU-1", "a GPU-1"]) == (1, 2)
+
+
+def test_torchrun_ranks_on_one_gpu_are_refused_before_nccl_runs(cuda, monkeypatch):
+    """Two processes that see one GPU each, the same one (a launcher that gives every rank CUDA_VISIBLE_DEVICES=0):
+    found through torchrun's store before any NCCL call, which would fail in NCCL's own words."""
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda backend, **kw: None)
+    monkeypatch.setattr(distributed.dist, "get_rank", lambda: 1)
+    fake_store(monkeypatch, {0: "node-a GPU-0"})
+    for k, v in TORCHRUN.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(UsageError, match=r"torchrun ranks 0 and 1 run on the same GPU .* --nproc-per-node 4"):
+        distributed.init_torchrun(devices.torchrun_device("cuda", TORCHRUN, 1))
+
+
 def test_torchrun_and_devices_that_nccl_cannot_run_are_refused_in_one_line(cuda):
     for bad, words in (
         (lambda: devices.torchrun_device("cuda:0", TORCHRUN, 4), "puts all 2 ranks of this machine on one GPU"),
-        (lambda: devices.torchrun_device("cuda", TORCHRUN, 1), "use --nproc-per-node 1 or fewer"),
+        (lambda: devices.torchrun_device("cuda", TORCHRUN | {"LOCAL_RANK": "3"}, 2), "use --nproc-per-node 2 or fewer"),
         (lambda: devices.check_devices(["cuda:0", "cuda:0"], 4), "names cuda:0 twice"),
         (lambda: devices.check_devices(["cuda:0", "cpu"], 4), "mixes cpu and cuda"),
         (lambda: devices.check_devices(["cuda", "cuda"], 4), "a bare cuda"),
@@ -88,22 +132,29 @@ def test_every_thread_the_engine_starts_computes_and_stages_on_the_ranks_gpu(cud
     monkeypatch.setattr(distributed.dist, "get_backend", lambda: "nccl")
     staged, seen = [], []
 
-    class HostTensor:  # what _on_backend stages: records where it is sent
-        device = torch.device("cpu")
+    class Engine:  # layerwise.Calibrated as stream.run drives it: the writers call produce
+        rank, world, waited = 0, 1, {}
 
-        def to(self, device):
-            staged.append(device)
+        def start(self, partials, todo):
             return self
 
-    def calibrated(partial: Path, finished):
-        def produce(entry):
+        def produce(self, entry):
             seen.append((threading.current_thread().name, cuda.current_device()))
-            distributed._on_backend(HostTensor())
+            assert distributed._staged(torch.zeros(1))  # a host piece under NCCL goes through the bound GPU
+            staged.append(devices.bound())
             return None
-        return produce
+
+        def stop_loop(self):
+            pass
+
+        def shard_written(self, i, pair):
+            pass
+
+        def join(self, stats):
+            pass
 
     plan = build(Checkpoint(fixtures_dir / "llama-bf16"), recipe.load(RECIPES / "dense-w4a16.yaml"), 2**20)
-    stream.run(plan, tmp_path / "out", device="cpu", calibrated=calibrated)
+    stream.run(plan, tmp_path / "out", device="cpu", calibrated=Engine())
     assert seen and all(t != threading.main_thread().name and d == 1 for t, d in seen), seen
     assert staged and all(torch.device(d) == torch.device("cuda", 1) for d in staged), staged
     with single_threaded(2) as pool:  # the experts' chunk threads

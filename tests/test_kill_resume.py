@@ -128,7 +128,9 @@ def test_sigkill_anywhere_then_resume_gives_the_uninterrupted_bytes(engine, fixt
     assert len(killed) >= 4, killed
     if engine == "gptq":  # the resume took every checkpointed layer instead of calibrating it again
         for label, (saved, report) in killed:
-            assert report["calibration"]["resumed_layers"] == saved, label
+            # every layer from the checkpoint, or none to run at all once every layer's shards were finished
+            n = json.loads((reference / "config.json").read_text())["num_hidden_layers"]
+            assert report["calibration"]["resumed_layers"] in (saved, n), label
         assert sum(saved > 0 for _, (saved, _) in killed) >= 2, killed
 
 

@@ -12,7 +12,7 @@ from conftest import RECIPES
 
 from quantize import recipe, serving
 from quantize.arch.layout import from_config
-from quantize.engine import experts, memory
+from quantize.engine import agreement, experts, memory
 
 DATA = Path(__file__).parent / "data"
 MIB = 2**20
@@ -43,9 +43,18 @@ def layers(config: str, recipe_name: str) -> tuple[list[memory.Layer], int]:
                             index_heads=(tc.get("index_n_heads") or 0) * dsa), model.hidden_size
 
 
-def choose(config, recipe_name, free, offload="auto"):
+def reading(config, recipe_name, free, rank=0, host_free=HOST, host="node-a", comm=0) -> agreement.Reading:
+    """What a rank on a GPU with `free` bytes reads of its memory (layerwise.memory_reading, at real shapes)."""
     ls, hidden = layers(config, recipe_name)
-    return memory.choose(ls, TOKENS, SEQ, hidden, 2, offload, "cuda:0", free, HOST, memory.GIB // 4)
+    accounts = {k: memory.account(ls, TOKENS, SEQ, hidden, 2, k, f"cuda:{rank}", free, memory.GIB // 4, comm)
+                for k in agreement.KINDS}
+    need = {k: 2 * memory.host_bytes(ls, TOKENS, hidden, 2) if k == "cpu" else 0 for k in agreement.KINDS}
+    return agreement.Reading(rank, f"cuda:{rank}", host, host_free, accounts, need)
+
+
+def choose(config, recipe_name, free, offload="auto"):
+    r = reading(config, recipe_name, free)
+    return r.accounts[agreement.decide([r], offload)[0]]
 
 
 @pytest.mark.parametrize("config, recipe_name, gpu, free, offload, total", [
@@ -81,3 +90,40 @@ def test_an_offload_that_cannot_fit_is_refused_with_its_numbers():
     assert "78.6 GiB is free" in msg and "--offload cpu" in msg
     small = choose("kimi-k2-instruct-config.json", "kimi-k2-w4a16", 24 * memory.GIB)  # not even the stack fits
     assert small.offload == "cpu" and not memory.fits(small) and "expert stack 31.1" in memory.refusal(small)
+
+
+KIMI = ("kimi-k2-instruct-config.json", "kimi-k2-w4a16")
+
+
+def test_eight_ranks_run_under_one_offload_even_when_one_gpu_has_less_free():
+    """Each rank used to choose its offload from its own free memory: rank 3 with less free than an H200's
+    `gpu` needs went to `cpu` while the others stayed on `gpu`, and their messages no longer paired. The ranks'
+    readings are decided once, for all: the first kind every rank fits."""
+    readings = [reading(*KIMI, H200, rank=r) for r in range(8)]
+    assert agreement.decide(readings, "auto") == ("gpu", None)
+    readings[3] = reading(*KIMI, H100, rank=3)
+    assert agreement.decide(readings, "auto") == ("cpu", None)
+    kind, why = agreement.decide(readings, "gpu")  # asked for: refused, naming the rank that cannot
+    assert kind == "gpu" and why.startswith("rank 3 (cuda:3): layer 1 needs 101.9 GiB on cuda:3")
+
+
+def test_the_ranks_of_one_host_share_its_free_memory():
+    """`cpu` offload keeps each rank's activations in host memory: 8 ranks of one host each get an eighth of its
+    free memory, not all of it (ranks on two hosts each have their own)."""
+    need = reading(*KIMI, H100).host_need["cpu"]
+    enough_for_one = int(need * 1.5)
+    one_host = [reading(*KIMI, H100, rank=r, host_free=enough_for_one) for r in range(8)]
+    assert agreement.decide(one_host[:1], "auto") == ("cpu", None)
+    kind, why = agreement.decide(one_host, "auto")
+    assert kind == "disk" and why is None  # disk offload holds no activations on the host
+    kind, why = agreement.decide(one_host, "cpu")
+    assert "rank 0 (cuda:0): the host needs" in why and "whose 8 ranks share it" in why
+    apart = [reading(*KIMI, H100, rank=r, host_free=enough_for_one, host=f"node-{r}") for r in range(8)]
+    assert agreement.decide(apart, "cpu") == ("cpu", None)
+
+
+def test_nccl_communicators_are_counted_in_the_account():
+    plain = reading(*KIMI, H200).accounts["gpu"]
+    counted = reading(*KIMI, H200, comm=memory.nccl_bytes(8, 0)).accounts["gpu"]
+    assert counted.parts["NCCL communicators"] == memory.nccl_bytes(8, 0) > 0
+    assert counted.total == plain.total + memory.nccl_bytes(8, 0)

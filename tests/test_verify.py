@@ -141,21 +141,22 @@ def test_convert_refuses_to_publish_an_output_that_fails_the_check(fixtures_dir,
     from quantize.errors import QuantizeError
     from quantize.tensor_plan import build
 
-    real = stream.write_shard
+    real = stream.write_shard_pair
 
-    def nan_scales(plan, index, path, *a, **k):
-        real(plan, index, path, *a, **k)
+    def nan_scales(plan, prefill, index, paths, *a, **k):
+        real(plan, prefill, index, paths, *a, **k)
+        path = paths[0]
         tensors = load_file(path)
         for t in tensors:
             if t.endswith("weight_scale"):
                 tensors[t] = torch.full_like(tensors[t], float("nan"))
         save_file(tensors, path)  # a bug that writes NaN scales, and hashes consistent with what it wrote
         header = read_header(path)
-        return path.stat().st_size, sha256_file(path), {
+        return (path.stat().st_size, sha256_file(path), {
             t: {"file": path.name, "dtype": header[t].dtype, "shape": list(v.shape), "crc32": tensor_crc(v)}
-            for t, v in tensors.items()}
+            for t, v in tensors.items()}), None
 
-    monkeypatch.setattr(stream, "write_shard", nan_scales)
+    monkeypatch.setattr(stream, "write_shard_pair", nan_scales)
     out = tmp_path / "out"
     plan = build(Checkpoint(fixtures_dir / "llama-bf16"), recipe.preset("w4a16", 64, "rtn"), max_shard_size=2**30)
     with pytest.raises(QuantizeError, match="output check failed.*NaN scale"):

@@ -105,9 +105,8 @@ def awq_layer(q, layer: nn.Module, i: int, targets: dict[str, Entry], report) ->
         for leaf in ("weight", "bias"):
             name = f"{prefix}{m}.{leaf}"
             t = getattr(modules[m], leaf, None)
-            if t is None or name not in q.entries or name in q.written:
-                continue
-            q.results[name] = [t.detach().to("cpu", _dtype(q.entries[name].outputs[0].dtype))]
+            if t is not None and name in q.entries:
+                q._store_result(name, [t.detach().to("cpu", _dtype(q.entries[name].outputs[0].dtype))])
 
 
 def _parent(smooth: str, balance: list[str], modules: dict[str, nn.Module]) -> str | None:

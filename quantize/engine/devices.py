@@ -52,24 +52,39 @@ def check_devices(devices: list[str], visible: int) -> None:
 
 
 def torchrun_device(device: str, env: dict, visible: int) -> str:
-    """This torchrun rank's device: `cuda` and `auto` (where GPUs are visible) mean the GPU of its LOCAL_RANK,
-    and there must be a GPU for every rank torchrun starts on this machine (LOCAL_WORLD_SIZE). Raises UsageError."""
+    """This torchrun rank's device. `cuda` and `auto` (where GPUs are visible) mean the GPU of its LOCAL_RANK
+    among the visible ones, or the one visible GPU of a launcher that gives each process its own (SLURM's
+    --gpus-per-task=1, a CUDA_VISIBLE_DEVICES per rank). LOCAL_WORLD_SIZE is not needed (multi-node launchers may
+    not set it): ranks that would share a GPU are refused once the group is up (distributed.init_torchrun).
+    Raises UsageError."""
     try:
         local_rank = int(env.get("LOCAL_RANK", 0))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1)))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", 0))
     except ValueError as e:
         raise UsageError(f"torchrun's LOCAL_RANK / LOCAL_WORLD_SIZE are not numbers ({e})") from None
     if device == "cpu" or (device == "auto" and not visible):
         return "cpu"
     if device not in ("auto", "cuda"):
-        if local_world > 1:
+        if local_world > 1 and visible > 1:
             raise UsageError(f"--device {device} under torchrun puts all {local_world} ranks of this machine on one "
                              "GPU, which NCCL refuses; pass --device cuda: each rank takes the GPU of its LOCAL_RANK")
         return device
-    if local_world > visible:
-        raise UsageError(f"torchrun starts {local_world} ranks on this machine but {visible} GPU(s) are visible: "
+    if visible == 1:
+        return "cuda:0"
+    if local_rank >= visible:
+        raise UsageError(f"torchrun's LOCAL_RANK is {local_rank} but {visible} GPU(s) are visible to this process: "
                          f"NCCL refuses two ranks on one GPU; use --nproc-per-node {visible} or fewer")
     return f"cuda:{local_rank}"
+
+
+def shared_gpu(seen: list[str]) -> tuple[int, int] | None:
+    """The first two ranks that name the same GPU, from each rank's "host uuid" in rank order; None if none do."""
+    first: dict[str, int] = {}
+    for rank, gpu in enumerate(seen):
+        if gpu in first:
+            return first[gpu], rank
+        first[gpu] = rank
+    return None
 
 
 def explicit(device: str) -> str:

@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 
 from quantize import compute
 from quantize.engine import devices
+from quantize.errors import QuantizeError, UsageError
 
 GROUPS = 16  # at most this many ranks share a layer's work
 
@@ -35,6 +36,17 @@ GROUPS = 16  # at most this many ranks share a layer's work
 def group_members(g: int, n: int) -> range:
     """The items (samples, or a layer's experts) of group g of n."""
     return range(n * g // GROUPS, n * (g + 1) // GROUPS)
+
+
+def group_of(item: int, n: int) -> int:
+    """The group whose members (group_members) hold item of n."""
+    return (GROUPS * (item + 1) - 1) // n
+
+
+def stream_owner(stream: int, world: int) -> int:
+    """The rank that writes a calibrated plan's shard stream (tensor_plan.calibrated_keys): rank 0 stream 0, and
+    the routed experts of group g (stream 1 + g) the rank that solves them (expert_groups)."""
+    return 0 if stream == 0 else (stream - 1) % world
 
 
 def owned_groups(rank: int, world: int) -> range:
@@ -50,6 +62,10 @@ def expert_groups(rank: int, world: int) -> range:
     return range(rank, GROUPS, world)
 
 
+class Refused(QuantizeError):
+    """A refusal every rank reached together (agreed): rank 0 says it; the others end without a word."""
+
+
 def share(rank: int, world: int, n: int) -> range:
     """The items of n that a rank owns: its groups' members, contiguous and in order."""
     groups = owned_groups(rank, world)
@@ -59,66 +75,69 @@ def share(rank: int, world: int, n: int) -> range:
 # Point to point and broadcast as bytes, so that any dtype crosses (gloo has no float8 or bfloat16 sums, and a
 # byte copy is exact); NCCL needs the tensor on the rank's GPU.
 def _wire(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous().view(-1) if t.dim() == 0 else t.contiguous()  # a view: what is received lands in t
-    return t.view(torch.uint8) if t.is_floating_point() and t.dtype.itemsize > 1 else t
+    """t's bytes as one flat uint8 view (what is received into it lands in t)."""
+    return (t.contiguous().view(-1) if t.dim() == 0 else t.contiguous()).reshape(-1).view(torch.uint8)
 
 
-STAGE_BYTES = 256 << 20  # a host tensor crosses NCCL this much at a time: what it stages on the GPU at most
+# Every message crosses in pieces of this many bytes at most, on every backend and from any device: the pieces
+# of a message are fixed by its size alone, which both sides know, so a sender staging from the host and a
+# receiver writing into its GPU (or the other way round) always issue the same calls. Under NCCL a host piece is
+# staged on the rank's GPU, one piece at a time (memory.py counts one). Ranks adopt rank 0's value (agree_terms).
+STAGE_BYTES = 256 << 20
 
 
-def _on_backend(t: torch.Tensor) -> torch.Tensor:
-    """t where the backend reads it: NCCL only from the GPU, the rank's own (devices.bound: whatever thread calls)."""
-    if dist.get_backend() == "nccl" and t.device.type != "cuda":
-        return t.to(devices.bound())
-    return t
-
-
-def _staged(wire: torch.Tensor) -> bool:
-    return dist.get_backend() == "nccl" and wire.device.type != "cuda"
+def _staged(piece: torch.Tensor) -> bool:
+    """Whether this side copies the piece through its GPU: NCCL reads and writes only the rank's own GPU."""
+    return dist.get_backend() == "nccl" and piece.device.type != "cuda"
 
 
 def _pieces(wire: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A host tensor's bytes in STAGE_BYTES views (writing into one writes into the tensor): a span of a host
-    TokenBuffer is gigabytes, and staged whole it would take that much of the GPU (memory.py counts one piece)."""
-    return wire.reshape(-1).view(torch.uint8).split(STAGE_BYTES)
+    """Views of STAGE_BYTES (writing into one writes into the message)."""
+    return wire.split(STAGE_BYTES) if wire.numel() else (wire,)
 
 
-class _Done:
+class _Works:
+    """The pending broadcasts of one message's pieces."""
+
+    def __init__(self, works: list):
+        self.works = works
+
     def wait(self) -> None:
-        pass
+        for w in self.works:
+            if w is not None:
+                w.wait()
 
 
 def send(t: torch.Tensor, dst: int) -> None:
-    wire = _wire(t)
-    for piece in _pieces(wire) if _staged(wire) else (wire,):
-        dist.send(_on_backend(piece), dst)
+    for piece in _pieces(_wire(t)):
+        dist.send(piece.to(devices.bound()) if _staged(piece) else piece, dst)
 
 
 def recv(t: torch.Tensor, src: int) -> torch.Tensor:
     """Into t (contiguous), from rank src."""
-    wire = _wire(t)  # a view of t: t is contiguous
-    if not _staged(wire):
-        dist.recv(wire, src)
-        return t
-    for piece in _pieces(wire):
-        buf = torch.empty_like(piece, device=devices.bound())
-        dist.recv(buf, src)
-        piece.copy_(buf)
+    for piece in _pieces(_wire(t)):  # views of t: t is contiguous
+        if _staged(piece):
+            buf = torch.empty_like(piece, device=devices.bound())
+            dist.recv(buf, src)
+            piece.copy_(buf)
+        else:
+            dist.recv(piece, src)
     return t
 
 
 def broadcast(t: torch.Tensor, src: int = 0, async_op: bool = False):
     """t (contiguous) from rank src to all; with async_op (on src only) returns the pending work and the buffer
-    it reads, which must be kept until the work is done (a host tensor under NCCL goes piece by piece, at once)."""
+    it reads, which must be kept until the work is done (a staged piece goes at once)."""
     wire = _wire(t)
-    if not _staged(wire):
-        work = dist.broadcast(wire, src=src, async_op=async_op)
-        return (work, wire) if async_op else None
+    works = []
     for piece in _pieces(wire):
-        buf = _on_backend(piece) if dist.get_rank() == src else torch.empty_like(piece, device=devices.bound())
-        dist.broadcast(buf, src=src)
-        piece.copy_(buf)
-    return (_Done(), wire) if async_op else None
+        if _staged(piece):
+            buf = piece.to(devices.bound()) if dist.get_rank() == src else torch.empty_like(piece, device=devices.bound())
+            dist.broadcast(buf, src=src)
+            piece.copy_(buf)
+        else:
+            works.append(dist.broadcast(piece, src=src, async_op=async_op))
+    return (_Works(works), wire) if async_op else None
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
@@ -179,7 +198,17 @@ def send_text(text: str, dst: int) -> None:
 
 
 def recv_text(src: int) -> str:
-    return bytes(recv_any(src, torch.device("cpu")).tolist()).decode()
+    return recv_any(src, torch.device("cpu")).numpy().tobytes().decode()
+
+
+def broadcast_text(text: str | None) -> str:
+    """Rank 0's text on every rank (the others pass None)."""
+    data = text.encode() if dist.get_rank() == 0 else b""
+    (n,) = agree([len(data)])
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(n, dtype=torch.uint8)
+    if n:
+        broadcast(buf, 0)
+    return buf.numpy().tobytes().decode()
 
 
 # A collective's wait, at most. A rank waits in one while rank 0 plans, tokenizes, rehashes the finished shards
@@ -191,8 +220,8 @@ DEFAULT_TIMEOUT_S = 3600.0
 
 @dataclass
 class Job:
-    """What a rank needs to rebuild rank 0's plan exactly (the samples and where to start come from rank 0 once
-    it is ready: share_samples, agree)."""
+    """What a rank needs to rebuild rank 0's plan exactly (the samples, the offload and what to run come from
+    rank 0 once it is ready: engine/agreement.py)."""
 
     src: str
     recipe: dict
@@ -201,6 +230,7 @@ class Job:
     offload: str
     allow_nonfinite: bool = False
     timeout_s: float = DEFAULT_TIMEOUT_S
+    prefill_recipe: dict | None = None  # the second output of a pair (its shards are paired with the main ones)
 
 
 def _free_port() -> int:
@@ -209,28 +239,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def cores_per_rank(cpu_ranks: int) -> int:
-    """Ranks on the CPU split its cores: each with all of them would run 2N threads on N cores, slower than one
-    rank (2 CPU ranks on 2 cores: 20.2 s against 18.0 s for one, measured)."""
-    return max(1, compute.cores() // max(1, cpu_ranks))
-
-
-def share_cores(ranks: list[str]) -> None:
-    cpu_ranks = sum(1 for d in ranks if not d.startswith("cuda"))
-    if cpu_ranks > 1:
-        torch.set_num_threads(cores_per_rank(cpu_ranks))
+def cpu_threads() -> int:
+    """The torch threads of a CPU rank's math: every core of the machine, whatever the number of ranks. A CPU
+    GEMM's bits can depend on its thread count (oneDNN and MKL split the reduction by threads: on an Intel AMX
+    CPU, one rank and two gave other bytes when two ranks split the cores), so the count is fixed by the
+    machine, never by the ranks: CPU ranks on one machine oversubscribe its cores (they are the CPU twin of GPU
+    ranks, each of which has a GPU of its own)."""
+    return compute.cores()
 
 
 POLL_S = 0.5  # how often rank 0 looks at the ranks it started, and a rank at rank 0
 layer = [None]  # the decoder layer this rank is on, for the line that names a dead rank
 
 
-def _init(rank: int, world: int, device: str, init_method: str | None = None, ranks: list[str] | None = None,
+def _init(rank: int, world: int, device: str, init_method: str | None = None,
           timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     devices.bind(device)
     if backend == "gloo":
-        share_cores(ranks or [device] * world)
+        torch.set_num_threads(cpu_threads())
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -241,10 +268,20 @@ def launched_by_torchrun() -> bool:
 
 def init_torchrun(device: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """Join the process group torchrun set up, on this rank's device (devices.torchrun_device); returns the rank.
-    A rank that dies is torchrun's to handle: its agent sees the exit and stops every other rank of the job."""
-    world = int(os.environ["WORLD_SIZE"])
-    _init(int(os.environ["RANK"]), world, device, ranks=[device] * int(os.environ.get("LOCAL_WORLD_SIZE", world)),
-          timeout_s=timeout_s)
+    Ranks on GPUs first check, through torchrun's store (no NCCL: it would fail on a shared GPU in its own words
+    at the first collective), that no two of them share a GPU. A rank that dies is torchrun's to handle: its
+    agent sees the exit and stops every other rank of the job."""
+    _init(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, timeout_s=timeout_s)
+    if device.startswith("cuda"):
+        store = dist.distributed_c10d._get_default_store()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store.set(f"quantize/gpu/{rank}", f"{socket.gethostname()} {torch.cuda.get_device_properties(device).uuid}")
+        shared = devices.shared_gpu([store.get(f"quantize/gpu/{r}").decode() for r in range(world)])
+        if shared is not None:
+            a, b = shared
+            raise UsageError(f"torchrun ranks {a} and {b} run on the same GPU ({devices.visible_gpus()} visible to "
+                             "each process): NCCL refuses two ranks on one GPU; use --nproc-per-node "
+                             f"{devices.visible_gpus()} or fewer, or give each rank a GPU of its own")
     return dist.get_rank()
 
 
@@ -346,18 +383,55 @@ class Launch:
         finish(self._out.get("ctx"), ok=False)
 
 
-def finish(ctx: mp.ProcessContext | None, ok: bool = True, stopped: threading.Event | None = None) -> None:
-    """Leave the group; after a failure on rank 0 the other ranks would wait forever, so they are stopped."""
+def leave(ok: bool) -> None:
+    """Leave the process group. After a failure it is never waited on: NCCL's destroy_process_group blocks while
+    work is pending (a collective a failed or diverged peer never joins), so the group is aborted (NCCL: its
+    communicators end at once) or dropped (gloo: its sockets close with the process)."""
+    if not dist.is_initialized():
+        return
+    if ok:
+        dist.destroy_process_group()
+    elif dist.get_backend() == "nccl":
+        from torch.distributed import distributed_c10d
+
+        try:
+            distributed_c10d._abort_process_group()
+        except Exception:  # an experimental API: the process ends anyway, and ending it is what frees the GPU
+            pass
+
+
+def finish(ctx: mp.ProcessContext | None, ok: bool = True, stopped: threading.Event | None = None,
+           devices_of: list[str] | None = None) -> None:
+    """Leave the group and wait for the ranks started here. After a failure on rank 0 the other ranks would wait
+    forever, so they are stopped. A rank that ended with an error after all is a QuantizeError naming it: rank 0
+    never reports success for a run one of its ranks did not finish."""
     if stopped is not None:
         stopped.set()  # what follows ends the ranks: the watch must not take it for a death
     if ctx is not None and not ok:
         for p in ctx.processes:
             p.terminate()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    if ctx is not None:
-        for p in ctx.processes:
-            p.join()
+    leave(ok)
+    if ctx is None:
+        return
+    for p in ctx.processes:
+        p.join()
+    if ok:
+        for i, p in enumerate(ctx.processes):
+            if p.exitcode != 0:
+                where = f" ({devices_of[i + 1]})" if devices_of else ""
+                raise QuantizeError(f"rank {i + 1}{where} failed ({how_it_ended(p.exitcode)}); its error is printed "
+                                    "above: rerun with --resume to continue from the last finished layer")
+
+
+def exit_now(code: int) -> None:
+    """End this process at once with `code`, its output flushed: after a failure in a process with a group, where
+    interpreter shutdown would run the group's destructor (which may wait on pending work)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def _orphaned(rank: int, parent: int) -> None:
@@ -398,15 +472,18 @@ def _worker_main(index: int, world: int, init: str, job: Job, run: Callable[[Job
 
     signal.signal(signal.SIGINT, on_sigint)
     threading.Thread(target=_watch_parent, args=(rank, parent), daemon=True).start()
-    _init(rank, world, job.devices[rank], init, job.devices, job.timeout_s)
+    _init(rank, world, job.devices[rank], init, job.timeout_s)
     try:
         run(job, torch.device(job.devices[rank]))
-    except Exception:
+    except KeyboardInterrupt:
+        exit_now(130)  # Ctrl-C reaches every rank; rank 0 reports it
+    except Exception as e:
         if _gone(parent):  # gloo's error for the connection rank 0 held: one line says what happened
             _orphaned(rank, parent)
         # torch.multiprocessing keeps a child's traceback for a join that rank 0 never makes (it learns of the
-        # failure as a closed connection): say here what went wrong
+        # failure from the watch): say here what went wrong. A refusal rank 0 also reached is rank 0's to print.
+        if isinstance(e, Refused):
+            exit_now(0)  # rank 0 says it and stops: an exit 1 here would race it, as a death, to the watch
         print(f"rank {rank} ({job.devices[rank]}) failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        raise
-    finally:
-        dist.destroy_process_group()
+        exit_now(1)  # never through destroy_process_group: under NCCL it waits for work that never completes
+    leave(True)

@@ -17,7 +17,8 @@ Per layer, on every rank (the same code with one rank):
 - after the quantized layer's pass, each group's routed output is summed on its owner, expert by expert in
   order, and rank 0 adds the groups in order: the same sums in the same order for any number of ranks, so
   the bytes never depend on it;
-- the codes and scales go to rank 0 in one message per rank, and rank 0 writes.
+- the codes and scales stay on the rank that solved them, whose writers write its groups' shards (each group
+  is a stream of shards of its own: tensor_plan.calibrated_keys); rank 0 gets each Linear's fallback and error.
 """
 
 import threading
@@ -29,10 +30,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from quantize.engine.activations import TokenBuffer, release_freed_memory
-from quantize.engine.distributed import GROUPS, broadcast, expert_groups, group_members, recv, send
+from quantize.engine.distributed import GROUPS, broadcast, expert_groups, group_members, recv, recv_any, send, send_any
 from quantize.engine.ordered import in_order, single_threaded
 from quantize.quant import codec, fp4, gptq, scales
-from quantize.safetensors_file import DTYPES
 from quantize.tensor_plan import Entry
 
 LEAVES = ("gate_proj", "up_proj", "down_proj")
@@ -468,30 +468,52 @@ class LayerExperts:
     # -- after the quantized layer's pass ------------------------------------------------------------------
     def routed_output(self) -> torch.Tensor | None:
         """The routed experts' share of every token's layer output, [tokens, hidden] on rank 0 where Setting.sums
-        says (None on the others, which send their groups' sums to it)."""
+        says (None on the others, which send their groups' sums to it).
+
+        Each group's sum covers only the rows its experts were routed (Kimi K2, top 8 of 384: a group of 24
+        experts touches about 40% of the tokens), so that is what crosses to rank 0: the rows' indices, then
+        their sums. Rank 0 adds each group's rows into the total in group order, one add per element, on any
+        number of ranks alike."""
         s = self.s
         routing = route(self.idx_adv, self.n)
         w_flat = self.w_adv.reshape(-1)
-        y = None
+        y = torch.zeros(self.tokens, self.hidden, dtype=s.compute, device=s.sums) if s.rank == 0 else None
+        self.routed_bytes = 0
         for g in range(GROUPS):
-            experts = list(group_members(g, self.n))
+            owner = g % s.world
             if g in self.groups:
-                part = torch.zeros(self.tokens, self.hidden, dtype=s.compute, device=s.sums)
-                used = [e for e in experts if routing.counts[e]]
-                outs = each(lambda e: self._expert_output(e, routing, w_flat), used, chunk_workers(s.device))
-                for tokens, out in outs:  # in expert order: the sum's order is fixed (one add per element: the
-                    part.index_add_(0, tokens.to(s.sums), out.to(s.sums))  # same bits on the host as on the GPU)
+                rows, part = self._group_output(group_members(g, self.n), routing, w_flat)
                 if s.rank != 0:
-                    send(part, 0)
+                    send_any(rows, 0)
+                    if rows.numel():
+                        send(part, 0)
+                    self.routed_bytes += rows.numel() * (rows.element_size() + self.hidden * part.element_size())
                     continue
             elif s.rank == 0:
-                part = torch.empty(self.tokens, self.hidden, dtype=s.compute, device=s.sums)
-                recv(part, g % s.world)
+                rows = recv_any(owner, torch.device("cpu"))
+                part = torch.empty(rows.numel(), self.hidden, dtype=s.compute, device=s.sums)
+                if rows.numel():
+                    recv(part, owner)
+                self.routed_bytes += rows.numel() * (rows.element_size() + self.hidden * part.element_size())
             else:
                 continue
-            y = part if y is None else y.add_(part)
+            if rows.numel():
+                y.index_add_(0, rows.to(s.sums), part)
         self.x_adv.close()
         return y
+
+    def _group_output(self, experts: range, routing: "Routing", w_flat: torch.Tensor):
+        """(rows, sums): the sorted tokens that a group's experts were routed, and their weighted outputs summed
+        expert by expert in order, [rows, hidden] where Setting.sums says."""
+        s = self.s
+        used = [e for e in experts if routing.counts[e]]
+        rows = torch.unique(torch.cat([routing.tokens(e) for e in used])) if used else torch.empty(0, dtype=torch.int64)
+        part = torch.zeros(rows.numel(), self.hidden, dtype=s.compute, device=s.sums)
+        outs = each(lambda e: self._expert_output(e, routing, w_flat), used, chunk_workers(s.device))
+        for tokens, out in outs:  # in expert order: the sum's order is fixed (one add per element: the same
+            local = torch.searchsorted(rows, tokens.to("cpu"))  # bits on the host as on the GPU)
+            part.index_add_(0, local.to(s.sums), out.to(s.sums))
+        return rows, part
 
     def _expert_output(self, e: int, routing: "Routing", w_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's weighted output for the tokens routed to it, and their rows."""
@@ -519,39 +541,22 @@ class LayerExperts:
         return out
 
     # -- the exchange of results ---------------------------------------------------------------------------
-    def collect(self) -> dict[tuple[int, str], Result]:
-        """Rank 0: every expert's results, its own and one message from each other rank (every tensor's bytes
-        end to end, in an order both sides know from the plan). Others: send theirs."""
+    def collect(self) -> dict[tuple[int, str], tuple[bool, float]]:
+        """Rank 0: (fallback, error) of every expert's Linears, its own and one small message from each other rank;
+        the tensors stay with the rank that solved them, whose writers write them (engine/writers.py)."""
         s = self.s
+        mine = {k: (r.fallback, r.error) for k, r in self.results.items()}
         if s.world == 1:
-            return self.results
+            return mine
         if s.rank != 0:
             keys = self._keys(self.owned)
-            meta = torch.tensor([[float(self.results[k].fallback), self.results[k].error] for k in keys],
-                                dtype=torch.float64).reshape(-1, 2)
-            parts = [meta] + [t for k in keys for t in self.results[k].tensors]
-            send(torch.cat([t.contiguous().view(torch.uint8).flatten() for t in parts]), 0)
+            send(torch.tensor([[float(mine[k][0]), mine[k][1]] for k in keys], dtype=torch.float64).reshape(-1, 2), 0)
             return {}
-        results = dict(self.results)
         for rank in range(1, s.world):
             keys = self._keys([e for g in expert_groups(rank, s.world) for e in group_members(g, self.n)])
-            meta = torch.empty(len(keys), 2, dtype=torch.float64)
-            empty = {k: self._empty(*k) for k in keys}
-            parts = [meta] + [t for k in keys for t in empty[k].tensors]
-            message = recv(torch.empty(sum(t.numel() * t.element_size() for t in parts), dtype=torch.uint8), rank)
-            start = 0
-            for t in parts:
-                n = t.numel() * t.element_size()
-                t.contiguous().view(torch.uint8).view(-1).copy_(message[start:start + n])
-                start += n
-            for k, (fallback, error) in zip(keys, meta.tolist(), strict=True):
-                r = empty[k]
-                results[k] = Result(r.tensors, bool(fallback), error)
-        return results
-
-    def _empty(self, e: int, leaf: str) -> Result:
-        """A result of the shapes and dtypes the plan gives expert e's Linear's outputs, to receive into."""
-        return Result([torch.empty(o.shape, dtype=DTYPES[o.dtype]) for o in self.targets[e][leaf].outputs], False, 0.0)
+            meta = recv(torch.empty(len(keys), 2, dtype=torch.float64), rank)
+            mine |= {k: (bool(f), err) for k, (f, err) in zip(keys, meta.tolist(), strict=True)}
+        return mine
 
     def _keys(self, experts: list[int]) -> list[tuple[int, str]]:
         return [(e, leaf) for e in experts for leaf in LEAVES if leaf in self.targets.get(e, {})]

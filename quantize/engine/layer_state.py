@@ -1,16 +1,17 @@
-"""Checkpoints of the layerwise engine, in OUT.partial/calib/, so that `--resume` continues from the last
-finished layer instead of recalibrating from the first.
+"""Checkpoints of the layerwise engine, in OUT.partial/calib/, so that `--resume` continues from a layer instead
+of recalibrating from the first.
 
-After layer L: `results-L.safetensors` holds the tensors L produced (packed weights, scales, AWQ-rescaled
-norms), `activations-{L+1}.safetensors` the calibration batch as it enters layer L+1, and `layers.json` says
-which of them count, each tensor with its crc32. The json is written last, so a kill anywhere leaves either
-the previous checkpoint or the new one, never half of one. The activations of earlier layers are deleted; a
-layer's results once every output shard holding them is finished. The folder is removed before the output is
-verified and renamed into place.
+A calibrated plan's shards break at its segments (tensor_plan.calibrated_keys): runs of layers whose shards all
+close together. So a finished layer needs no checkpoint of its results: they are in its shards, or they are
+computed again. What a resume needs is the calibration batch as it enters a segment: `activations-{L}.safetensors`,
+saved in the background after layer L-1 (never after the last layer: nothing follows it), each tensor with its
+crc32. It counts only once every shard of the layers before L is finished: then `layers.json` names it (with
+the stats of the layers before it), the commit record, written last, so a kill anywhere leaves the previous
+checkpoint or the new one, never half of one; the older activations go. The folder is removed before the
+output is verified and renamed into place.
 """
 
 import hashlib
-import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,6 @@ class Resume:
     next_layer: int
     stats: dict
     activations: dict = field(default_factory=dict)  # file, crc32 per tensor
-    results: dict[int, dict] = field(default_factory=dict)  # layer -> file, crc32 per tensor
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, int]:
@@ -59,12 +59,12 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, int
     return {n: rec["crc32"] for n, rec in w.tensors.items()}
 
 
-def read_checked(path: Path, crcs: dict[str, int], names=None, header: dict | None = None):
+def read_checked(path: Path, crcs: dict[str, int]):
     """Tensors of a checkpoint file, each checked against the crc32 recorded when it was written."""
-    header = header if header is not None else read_header(path)
-    for name in names if names is not None else crcs:
+    header = read_header(path)
+    for name in crcs:
         info = header.get(name)
-        if info is None or name not in crcs:
+        if info is None:
             raise QuantizeError(f"{path.name}: {name} is missing; the checkpoint is damaged: rerun with --overwrite")
         t = read_tensor(info)
         if tensor_crc(t) != crcs[name]:
@@ -76,11 +76,10 @@ def read_checked(path: Path, crcs: dict[str, int], names=None, header: dict | No
 class LayerCheckpoint:
     def __init__(self, folder: Path, key: str):
         self.folder, self.key = folder, key
-        self.meta: dict = {"samples": key, "next_layer": 0, "activations": {}, "results": {}, "stats": {}}
-        self._headers: dict[str, dict] = {}  # a results file's header, parsed once for all its tensors
+        self.meta: dict = {"samples": key, "next_layer": 0, "activations": {}, "stats": {}}
 
     def load(self) -> Resume | None:
-        """The saved point to continue from, or None when there is none; refuses another run's checkpoint."""
+        """The committed point to continue from, or None when there is none; refuses another run's checkpoint."""
         path = self.folder / META_NAME
         if not path.is_file():
             return None
@@ -93,50 +92,22 @@ class LayerCheckpoint:
                              "resume with the same --calib, --num-samples, --seq-len, --seed and --device, or "
                              "rerun with --overwrite")
         self.meta = meta
-        return Resume(meta["next_layer"], meta["stats"], meta["activations"],
-                      {int(k): v for k, v in meta["results"].items()})
+        return Resume(meta["next_layer"], meta["stats"], meta["activations"])
 
-    def save(self, layer: int, results: dict[str, list[torch.Tensor]], activations: dict[str, torch.Tensor],
-             stats: dict, finished: set[str], layer_names: set[str]) -> None:
-        """Record layer `layer` as done: its results, the activations entering layer+1, the stats so far.
-        `finished`: tensor names already in finished output shards (their layers' results can go);
-        `layer_names`: every tensor of the layer, so that one computed but not kept is known as such."""
+    def save(self, layer: int, activations: dict[str, torch.Tensor]) -> dict:
+        """The activations entering `layer`, written and fsynced; returns their record for `commit`."""
         self.folder.mkdir(exist_ok=True)
-        flat = {f"{name}#{k}": t for name, ts in results.items() for k, t in enumerate(ts)}
-        res_file = f"results-{layer}.safetensors"
-        act_file = f"activations-{layer + 1}.safetensors"
-        res = {"file": res_file, "tensors": sorted(results), "released": sorted(layer_names & finished),
-               "crc32": write_tensors(self.folder / res_file, flat)}
-        act = {"file": act_file, "crc32": write_tensors(self.folder / act_file, activations)}
-        old_act = self.meta["activations"].get("file")
-        kept = {int(k): v for k, v in self.meta["results"].items()}
-        kept[layer] = res
-        gone = [j for j, v in kept.items() if j != layer and set(v["tensors"]) <= finished]
-        for j in gone:
-            kept.pop(j)
-        self.meta = {"samples": self.key, "next_layer": layer + 1, "activations": act,
-                     "results": {str(j): v for j, v in sorted(kept.items())}, "stats": stats}
-        write_json(self.folder / META_NAME, self.meta)
-        if old_act and old_act != act_file:
-            (self.folder / old_act).unlink(missing_ok=True)
-        for j in gone:
-            (self.folder / f"results-{j}.safetensors").unlink(missing_ok=True)
+        name = f"activations-{layer}.safetensors"
+        return {"file": name, "crc32": write_tensors(self.folder / name, activations)}
 
-    def result(self, layer: int, name: str) -> list[torch.Tensor] | None:
-        """The saved output tensors of entry `name`, computed by `layer` before the resume; None when the layer
-        left that tensor as it is in the source."""
-        rec = self.meta["results"].get(str(layer))
-        if rec is None or name in rec["released"]:
-            raise QuantizeError(f"{name}: layer {layer}'s results were released once its shard was finished, but "
-                                "that shard must be written again; rerun with --overwrite")
-        if name not in rec["tensors"]:
-            return None
-        crcs = rec["crc32"]
-        wanted = list(itertools.takewhile(crcs.__contains__, (f"{name}#{k}" for k in itertools.count())))
-        path = self.folder / rec["file"]
-        if rec["file"] not in self._headers:
-            self._headers[rec["file"]] = read_header(path)
-        return [t for _, t in read_checked(path, crcs, wanted, self._headers[rec["file"]])]
+    def commit(self, layer: int, record: dict, stats: dict) -> None:
+        """Make the saved activations entering `layer` the point a resume continues from (every shard of the
+        layers before it is finished); the older ones go."""
+        self.meta = {"samples": self.key, "next_layer": layer, "activations": record, "stats": stats}
+        write_json(self.folder / META_NAME, self.meta)
+        for p in self.folder.glob("activations-*.safetensors"):
+            if p.name != record["file"] and int(p.name.split("-")[1].split(".")[0]) < layer:
+                p.unlink(missing_ok=True)
 
     def activations(self, resume: Resume):
         """(name, tensor) of the saved activations, in the order they were written."""

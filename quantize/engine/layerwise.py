@@ -15,16 +15,21 @@ solves the dense Linears and sends back their quantized weights; each rank runs 
 quantized layer, and their outputs return to rank 0. Every sum is ordered by fixed groups of samples or
 experts, never by the number of ranks, so the bytes are those of one rank.
 
+The layer loop runs in a thread of its own on every rank (`LayerwiseQuantizer.run`), one layer ahead of the
+writers at most: a layer's results go to the writers of the rank that computed them (engine/writers.py), which
+write its shards while the next layer computes. What the ranks must agree on is decided once, before the first
+layer (engine/agreement.py).
+
 This module is the layer loop and the dense work (GPTQ of attention and dense MLPs, AWQ).
 """
 
 import itertools
-import os
+import json
 import shutil
 import tempfile
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -35,7 +40,7 @@ import torch
 from torch import nn
 
 from quantize import compute, kvcache, serving
-from quantize.engine import devices, distributed, memory
+from quantize.engine import agreement, devices, distributed, memory
 from quantize.engine import experts as routed
 from quantize.engine.activations import ActivationStore, TokenBuffer, release_freed_memory
 from quantize.engine.awq_layer import awq_layer, takes_topk
@@ -46,13 +51,9 @@ from quantize.quant import codec, fp4, gptq, precision, scales
 from quantize.tensor_plan import Entry, Plan
 
 
-def device_account(plan: Plan, samples: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
-                   offload: str = "auto", world: int = 1) -> memory.Account:
-    """What the largest decoder layer holds on `device` under the offload chosen for it (engine/memory.py): its
-    weights but the routed experts GPTQ streams, their stacks, the dense Hessians, one sample's forward, the
-    staging, and the activations when they stay on the device."""
+def _layers(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[memory.Layer]:
     gptq_ = plan.recipe.method in ("gptq", "rtn")  # routed experts streamed (calibrated rtn: no Hessians, fewer bytes)
-    workers = routed.chunk_workers(device)
+    workers = routed.chunk_workers(device) if device.type == "cuda" else distributed.cpu_threads()
 
     def stack_of(inter: int, hidden: int) -> int:
         return workers * routed.stack_size(inter, hidden, plan.ckpt.dtype, device, workers) * \
@@ -60,14 +61,47 @@ def device_account(plan: Plan, samples: list[torch.Tensor], device: torch.device
 
     tc = plan.model.text_config
     dsa = plan.model.arch.family == "glm_moe_dsa"  # its layers carry top-k indices (int64) and score them per head
-    layers = memory.layers_of(plan.entries, dtype.itemsize, stack_of, gptq_, carry=8 * (tc.get("index_topk") or 0) * dsa,
-                              index_heads=(tc.get("index_n_heads") or 0) * dsa)
+    return memory.layers_of(plan.entries, dtype.itemsize, stack_of, gptq_, carry=8 * (tc.get("index_topk") or 0) * dsa,
+                            index_heads=(tc.get("index_n_heads") or 0) * dsa)
+
+
+def results_bytes(plan: Plan, rank: int = 0, world: int = 1) -> int:
+    """The results a rank's writers may hold at once: those of two layers (the loop runs one layer ahead of the
+    writers), the largest two of the tensors that rank writes (its streams: tensor_plan.calibrated_keys)."""
+    by_layer: Counter = Counter()
+    for i, shard in enumerate(plan.shards):
+        if distributed.stream_owner(plan.stream_of(i), world) == rank:
+            for e in shard:
+                if e.role.layer is not None and e.role.kind != "mtp":
+                    by_layer[e.role.layer] += e.out_bytes
+    return sum(sorted(by_layer.values())[-2:])
+
+
+def memory_reading(plan: Plan, samples: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
+                   world: int = 1, rank: int = 0) -> agreement.Reading:
+    """What the largest decoder layer holds on `device` under each offload (engine/memory.py): its weights but
+    the routed experts GPTQ streams, their stacks, the dense Hessians, one sample's forward, the staging and
+    NCCL's buffers, and the activations when they stay on the device; and what the host holds besides."""
+    layers = _layers(plan, dtype, device)
     free_host = psutil.virtual_memory().available
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else free_host
     lengths = [s.numel() for s in samples]
-    return memory.choose(layers, sum(lengths), max(lengths, default=0), plan.model.hidden_size, dtype.itemsize,
-                         offload, str(device), free, free_host,
-                         distributed.STAGE_BYTES if world > 1 and device.type == "cuda" else 0)
+    tokens = sum(lengths)
+    cuda = device.type == "cuda"
+    stage = distributed.STAGE_BYTES if world > 1 and cuda else 0
+    comm = memory.nccl_bytes(world, rank) if cuda else 0
+    accounts = {k: memory.account(layers, tokens, max(lengths, default=0), plan.model.hidden_size, dtype.itemsize, k,
+                                  str(device), free, stage, comm) for k in agreement.KINDS}
+    results = results_bytes(plan, rank, world)
+    host = memory.host_bytes(layers, tokens, plan.model.hidden_size, dtype.itemsize)
+    return agreement.read(rank, device, accounts, {k: results + (2 * host if k == "cpu" else 0) for k in agreement.KINDS})
+
+
+def device_account(plan: Plan, samples: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
+                   offload: str = "auto") -> memory.Account:
+    """One rank's account under the offload it would choose alone (agreement.decide over its own reading)."""
+    reading = memory_reading(plan, samples, device, dtype)
+    return reading.accounts[agreement.decide([reading], offload)[0]]
 
 
 def check_layer_memory(account: memory.Account) -> None:
@@ -86,6 +120,7 @@ class LayerReport:
     tokens_per_expert: dict[int, int] = field(default_factory=dict)
     kv_scale: list[float] | None = None  # FP8 KV cache (k_scale, v_scale) measured on this layer
     phases: dict[str, float] = field(default_factory=dict)  # seconds: forward, dense, experts, routed_output_...
+    routed_bytes: int = 0  # this rank's bytes of the routed-output exchange (the rows its groups touched)
 
 
 @dataclass
@@ -95,6 +130,10 @@ class Stats:
     offload: str = ""
     awq: list[dict] = field(default_factory=list)
     resumed_layers: int = 0  # layers a --resume took from the checkpoint instead of calibrating again
+    # this rank's loop: seconds waiting for its writers (results of two layers held) and for a checkpoint save
+    waited_for_writers: float = 0.0
+    waited_for_checkpoint: float = 0.0
+    ranks: list[dict] = field(default_factory=list)  # rank 0: every rank's summary (LayerwiseQuantizer.summary)
 
     def mean_error(self) -> dict[str, float]:
         return {k: sum(v) / len(v) for k, v in sorted(self.error.items())}
@@ -111,30 +150,38 @@ class Stats:
         self.awq.extend(saved.get("awq", []))
 
 
+class _Stopped(Exception):
+    """The run is ending (a writer failed): a writer waiting for a layer, or the loop, stops here."""
+
+
+def work_stop(plan: Plan) -> int:
+    """One past the last decoder layer whose results anything waits for (a target, a KV scale): the layers
+    after it change nothing, so no rank runs them."""
+    layers = [e.role.layer for e in plan.entries if e.role.layer is not None and e.role.kind != "mtp"
+              and (e.action == "kv_scale" or (e.action == "quantize"))]
+    return max(layers, default=-1) + 1
+
+
 class LayerwiseQuantizer:
-    """Produces the quantized tensors of each decoder layer on demand, layers in order.
+    """The quantized tensors of each decoder layer, computed by `run` (the layer loop, in a thread of its own)
+    for layers start..stop-1 and taken by the writers through `produce`, which waits for the layer.
 
-    `produce(entry)` is called by the shard writer in layer order; asking for a tensor of layer L runs the
-    calibration of every layer up to L that has not run yet.
-    """
+    `keep`: the tensor names whose results this rank's writers take (its own shards still to write; all when
+    None); nothing else is held. Standalone (tests, one rank) it embeds the samples itself."""
 
-    def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device, offload: str = "auto",
-                 on_layer: Callable[[LayerReport, int], None] | None = None,
+    def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device,
+                 offload: "str | memory.Account" = "auto", on_layer: Callable[[LayerReport, int], None] | None = None,
                  on_expert: Callable[[int, int], None] | None = None, checkpoint: LayerCheckpoint | None = None,
-                 resume: Resume | None = None, finished: Callable[[], set[str]] = frozenset,
-                 compute_dtype: torch.dtype | None = None, worker: bool = False):
+                 resume: Resume | None = None, compute_dtype: torch.dtype | None = None, worker: bool = False,
+                 start: int = 0, stop: int | None = None, keep: set[str] | None = None,
+                 checkpoint_at: set[int] = frozenset(), segments_done: Callable[[int], bool] | None = None):
         self.plan, self.device, self.on_layer, self.on_expert = plan, device, on_layer, on_expert
-        self.checkpoint, self.finished = checkpoint, finished
-        self.written = finished()  # tensors of shards finished before a resume: not kept if recomputed
-        self.lock = threading.Lock()
-        # OpenMP's thread count is per calling thread: the writer threads that call `produce` must be given the
-        # count of this rank (distributed.cores_per_rank), or two CPU ranks run three threads on two cores
+        self.checkpoint = checkpoint
         dist = torch.distributed
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.world > 1 else 0
-        self.threads = torch.get_num_threads()
-        if self.world > 1 and device.type == "cpu":  # CPU ranks on one machine split its cores
-            self.threads = distributed.cores_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", self.world)))
+        # the math's thread count is fixed by the machine, never by the number of ranks (distributed.cpu_threads)
+        self.threads = distributed.cpu_threads() if device.type == "cpu" else torch.get_num_threads()
         # data-parallel forwards (GPTQ): the samples this rank runs, and each rank's span of the token rows
         self.dp = self.world > 1 and plan.recipe.method == "gptq"
         n = len(samples)
@@ -154,11 +201,15 @@ class LayerwiseQuantizer:
         self.awq_rows = self.recipe.awq.max_tokens
         self.targets = {e.tensor.name: e for e in plan.entries if e.action == "quantize" and e.role.layer is not None
                         and e.role.kind != "mtp"}
+        self.keep = keep
         self.results: dict[str, list[torch.Tensor]] = {}
         self.stats = Stats()
-        self.next_layer = 0
+        self.start, self.stop = start, work_stop(plan) if stop is None else stop
+        self.next_layer = start
         tokens = sum(s.numel() for s in samples)
-        self.account = device_account(plan, samples, device, self.compute, offload, self.world)
+        # the ranks' agreed account (Calibrated, run_rank), or this rank's own choice when it runs alone
+        self.account = offload if isinstance(offload, memory.Account) else \
+            device_account(plan, samples, device, self.compute, offload)
         self.stats.offload = self.account.offload
         # disk offload goes where TMPDIR points: put it on a fast disk with room for the activations
         self._tmp = Path(tempfile.mkdtemp(prefix="quantize-act-")) if self.stats.offload == "disk" else None
@@ -168,22 +219,40 @@ class LayerwiseQuantizer:
         self.carry: list = [None] * len(samples)  # GLM-5's DSA layers pass their top-k indices on
         self._shared: tuple = (None, None)  # (length, layer type), (mask, rotary embeddings)
         self.rotary = type(self.skeleton.model.rotary_emb)(config=self.config).to(self.device)
-        self.resumed_from = 0
-        self._saver, self._saving = devices.pool(1), None
         self.tokens = tokens
-        if worker:
+        # the loop and the writers: results held per layer, layers done, the loop's error, a stop asked
+        self._cond = threading.Condition()
+        self._held: Counter = Counter()
+        self._published = start
+        self._error: BaseException | None = None
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.waited: dict[str, float] = defaultdict(float)  # writer thread name -> seconds waiting for a layer
+        # checkpoints (rank 0): saved entering these layers, committed once segments_done(layer)
+        self._checkpoint_at, self._segments_done = checkpoint_at, segments_done
+        self._saver, self._saving = devices.pool(1), None
+        self._commit_lock = threading.Lock()
+        if worker or start >= self.stop:
             pass  # a rank > 0 holds only its samples' hidden states, sent by rank 0 at the start of each layer
         elif resume is not None:
             self._restore(resume)
         else:
             self._embed(samples)
+        if resume is not None and worker is False and start >= self.stop:
+            self.stats.restore(resume.stats)
+        self.stats.resumed_layers = start
         release_freed_memory()  # the tokenizer and the embedding matrix are gone by now
 
     def _store(self) -> ActivationStore:
         return ActivationStore(self.stats.offload, self.device, self._tmp)
 
-    def close(self) -> None:
-        self._saver.shutdown(wait=True)
+    def close(self, ok: bool = True) -> None:
+        """After a failure with several ranks the loop is not waited for: it may be in a collective that a failed
+        peer never joins (the process ends without it; its thread is a daemon)."""
+        self.stop_loop()
+        if self._thread is not None and (ok or self.world == 1):
+            self._thread.join()
+        self._saver.shutdown(wait=ok or self.world == 1)
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
 
@@ -208,22 +277,136 @@ class LayerwiseQuantizer:
             raise QuantizeError(f"the checkpoint holds {len(self.hidden)} samples, not {len(self.positions)}; "
                                 "rerun with --overwrite")
         self.stats.restore(resume.stats)
-        self.next_layer = self.resumed_from = self.stats.resumed_layers = resume.next_layer
 
-    def _save_checkpoint(self, i: int) -> None:
-        results = {n: ts for n, ts in self.results.items() if self.entries[n].role.layer == i}
-        activations = {f"hidden.{s}": self.hidden.host(s) for s in range(len(self.hidden))}
-        activations |= {f"carry.{s}": c for s, c in enumerate(self.carry) if c is not None}
-        prefix = f"{self.model.prefix}model.layers.{i}."
-        # written while the next layer's calibration pass runs, which reads the activations but changes nothing
-        self._saving = self._saver.submit(self.checkpoint.save, i, results, activations, self.stats.to_dict(),
-                                          self.finished(), {n for n in self.entries if n.startswith(prefix)})
+    # -- the loop and the writers ----------------------------------------------------------------------------
+    def start_loop(self) -> None:
+        """Run the layer loop in a thread of its own (its device current, its thread count set)."""
+        self._thread = threading.Thread(target=self._loop, name=f"layers-rank{self.rank}", daemon=True)
+        self._thread.start()
+
+    def run(self) -> None:
+        """The layer loop in the calling thread, start..stop-1, each layer published as it finishes."""
+        devices.follow()
+        torch.set_num_threads(self.threads)  # OpenMP's count is the calling thread's own
+        with precision.exact():  # the codes must not depend on the process's TF32 / matmul precision
+            for i in range(self.start, self.stop):
+                self._wait_for_writers(i)
+                self._quantize_layer(i)
+                with self._cond:
+                    self._published = i + 1
+                    self._cond.notify_all()
+                self.next_layer = i + 1
+                self._after_layer(i)
+
+    def _loop(self) -> None:
+        try:
+            self.run()
+        except _Stopped:
+            pass
+        except BaseException as e:  # the writers raise it, in their threads (produce)
+            with self._cond:
+                self._error = e
+                self._cond.notify_all()
+        finally:
+            with self._cond:
+                self._stopping = self._stopping or self._error is not None
+                self._cond.notify_all()
+
+    def join(self) -> None:
+        """Wait for the loop; its error, if any, is raised here."""
+        if self._thread is not None:
+            self._thread.join()
+        self._wait_for_checkpoint()
+        if self._error is not None:
+            raise self._error
+
+    def stop_loop(self) -> None:
+        """End the run early (a writer failed): the loop stops before its next layer, waiting writers raise."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def _wait_for_writers(self, i: int) -> None:
+        """Before layer i: no results of layers before i - 1 still held (the writers are at most one behind)."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while not self._stopping and any(n for layer, n in self._held.items() if layer <= i - 2):
+                self._cond.wait()
+            if self._stopping:
+                raise _Stopped
+        self.stats.waited_for_writers += time.perf_counter() - t0
+
+    def _store_result(self, name: str, tensors: list[torch.Tensor]) -> None:
+        """Hold a result for the writer that takes it, if this rank writes it."""
+        if self.keep is not None and name not in self.keep:
+            return
+        with self._cond:
+            self.results[name] = tensors
+            self._held[self.entries[name].role.layer] += 1
+
+    def produce(self, e: Entry) -> list[torch.Tensor] | None:
+        """The output tensors of a calibrated entry (waiting for its layer), or None when the entry is not
+        calibrated here (the writer produces it from the source)."""
+        layer = e.role.layer
+        if layer is None or e.role.kind == "mtp" or layer >= self.stop:
+            return None
+        if self.recipe.method != "awq" and e.tensor.name not in self.targets and e.action != "kv_scale":
+            return None  # GPTQ and RTN change only what they quantize; AWQ smoothing also rescales norms and routers
+        if layer < self.start:  # tensor_plan's segments and agreement's start rule make this unreachable
+            raise AssertionError(f"{e.tensor.name}: layer {layer} was not computed in this run (it starts at "
+                                 f"{self.start})")
+        t0 = time.perf_counter()
+        with self._cond:
+            while self._published <= layer and self._error is None and not self._stopping:
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+            if self._published <= layer:
+                raise _Stopped
+            out = self.results.pop(e.tensor.name, None)
+            if out is not None:
+                self._held[layer] -= 1
+                self._cond.notify_all()
+        if out is None and (e.tensor.name in self.targets or e.action == "kv_scale"):
+            # never written from the source instead: that would be RTN bytes under a calibrated recipe
+            raise AssertionError(f"{e.tensor.name}: layer {layer} kept no result for this rank's writers")
+        self.waited[threading.current_thread().name] += time.perf_counter() - t0
+        return out
+
+    # -- checkpoints (rank 0): the activations entering a segment, committed once the segments before are done --
+    def _after_layer(self, i: int) -> None:
+        if self.rank != 0 or self.checkpoint is None:
+            return
+        nxt = i + 1
+        if nxt in self._checkpoint_at and nxt < self.stop:
+            self._wait_for_checkpoint()
+            activations = {f"hidden.{s}": self.hidden.host(s) for s in range(len(self.hidden))}
+            activations |= {f"carry.{s}": c for s, c in enumerate(self.carry) if c is not None}
+            # written while the next layer's calibration pass runs, which reads the activations but changes
+            # nothing; its pass through the quantized layer waits for it (_wait_for_checkpoint)
+            self._saving = (nxt, self._saver.submit(self.checkpoint.save, nxt, activations), self.stats.to_dict())
+        self.try_commit()
 
     def _wait_for_checkpoint(self) -> None:
-        """Block until the pending layer checkpoint is on disk; its error (a full disk) is raised here."""
+        """Block until the pending activations are on disk; its error (a full disk) is raised here."""
         if self._saving is not None:
-            saving, self._saving = self._saving, None
-            saving.result()
+            t0 = time.perf_counter()
+            self._saving[1].result()
+            self.stats.waited_for_checkpoint += time.perf_counter() - t0
+            self.try_commit()
+
+    def try_commit(self) -> None:
+        """Commit the saved checkpoint once its activations are on disk and every shard of the layers before it
+        is finished (any thread: the loop after a layer, a writer after a shard)."""
+        with self._commit_lock:
+            saving = self._saving
+            if saving is None or not saving[1].done() or saving[1].exception() is not None:
+                return
+            layer, future, stats = saving
+            if self._segments_done is None or not self._segments_done(layer):
+                return
+            self.checkpoint.commit(layer, future.result(), stats)
+            self._saving = None
 
     def _mask(self, h: torch.Tensor, pos: torch.Tensor):
         from transformers.masking_utils import create_causal_mask
@@ -301,24 +484,6 @@ class LayerwiseQuantizer:
             self._shared = (key, (mask[layer_type] if isinstance(mask, dict) else mask, self.rotary(h, pos)))
         return self._shared[1]
 
-    def produce(self, e: Entry) -> list[torch.Tensor] | None:
-        """The output tensors of a calibrated entry, or None when the entry is not calibrated here."""
-        layer = e.role.layer
-        if layer is None or e.role.kind == "mtp":
-            return None
-        if self.recipe.method != "awq" and e.tensor.name not in self.targets and e.action != "kv_scale":
-            return None  # GPTQ and RTN change only what they quantize; AWQ smoothing also rescales norms and routers
-        with self.lock:  # writer threads ask concurrently; layers must run one at a time, in order
-            if torch.get_num_threads() != self.threads:
-                torch.set_num_threads(self.threads)
-            if layer < self.resumed_from:
-                return self.checkpoint.result(layer, e.tensor.name)
-            with precision.exact():  # the codes must not depend on the process's TF32 / matmul precision
-                while self.next_layer <= layer:
-                    self._quantize_layer(self.next_layer)
-                    self.next_layer += 1
-            return self.results.pop(e.tensor.name, None)
-
     def _layer_targets(self, i: int) -> dict[str, Entry]:
         prefix = f"{self.model.prefix}model.layers.{i}."
         return {n[len(prefix):-len(".weight")]: e for n, e in self.targets.items() if e.role.layer == i}
@@ -348,16 +513,14 @@ class LayerwiseQuantizer:
             self._solve_layer(layer, i, targets, report)
         release_freed_memory()
         self.skeleton.model.layers[i] = nn.Module()  # drop the layer's weights
-        if self.rank != 0:
-            return
         report.seconds = time.perf_counter() - t0
-        self.stats.layers.append(report)
-        if self.checkpoint is not None:
-            self._save_checkpoint(i)
-            if i == self.model.num_hidden_layers - 1:
-                self._wait_for_checkpoint()
-        if self.on_layer:
-            self.on_layer(report, self.model.num_hidden_layers)
+        if self.rank == 0:
+            self.stats.layers.append(report)
+            if self.on_layer:
+                self.on_layer(report, self.model.num_hidden_layers)
+        else:
+            self.stats.layers.append(LayerReport(layer=i, seconds=report.seconds, modules=0, phases=report.phases,
+                                                 routed_bytes=report.routed_bytes))
 
     def _solve_layer(self, layer: nn.Module, i: int, targets: dict[str, Entry], report: LayerReport) -> None:
         """GPTQ or AWQ of layer i: the calibration pass, the solves, the pass through the quantized layer."""
@@ -518,12 +681,19 @@ class LayerwiseQuantizer:
     def _finish_experts(self, moe: "routed.LayerExperts", i: int, targets: dict[str, Entry],
                         report: LayerReport) -> None:
         """After the quantized layer's pass and the experts' solves: every routed output added to the layer's
-        outputs (rank 0 holds them all), every expert's result collected and recorded on rank 0."""
+        outputs (rank 0 holds them all); each rank's experts' results go to its own writers, and their fallbacks
+        and errors (a few numbers) to rank 0's report."""
         t1 = time.perf_counter()
         moe.share_advance()
         y = moe.routed_output()
+        report.routed_bytes = moe.routed_bytes
+        rel = {e.role.expert: m.split(".experts.")[0] + ".experts." for m, e in targets.items() if ".experts." in m}
+        for (e, leaf), r in sorted(moe.results.items()):
+            self._store_result(targets[f"{rel[e]}{e}.{leaf}"].tensor.name, r.tensors)
+        meta = moe.collect()
+        moe.results.clear()
         if self.rank != 0:
-            moe.collect()
+            report.phases["routed_output_and_exchange"] = time.perf_counter() - t1
             return
         start = 0
         for s in range(len(self.hidden)):
@@ -532,24 +702,19 @@ class LayerwiseQuantizer:
             self.hidden[s] = h + y[start:start + n].to(h.device).view_as(h)
             start += n
         del y
-        results = moe.collect()
         t2 = time.perf_counter()
         cal = self.recipe.calibration
         report.tokens_per_expert = dict(enumerate(moe.counts))
-        rel = {e.role.expert: m.split(".experts.")[0] + ".experts." for m, e in targets.items() if ".experts." in m}
         for e in sorted(rel):
             if moe.rtn_only(e):
                 report.fallbacks.append(f"{rel[e]}{e} ({moe.counts[e]} tokens < {cal.min_expert_tokens}: RTN)")
             else:
                 report.experts_calibrated += 1
-        for (e, leaf), r in sorted(results.items()):
+        for (e, leaf), (fallback, error) in sorted(meta.items()):
             entry = targets[f"{rel[e]}{e}.{leaf}"]
-            if r.fallback:
+            if fallback:
                 report.fallbacks.append(f"{entry.role.module} (Hessian not positive definite or not finite: RTN)")
-            self.stats.error[entry.role.kind].append(r.error)
-            if entry.tensor.name in self.written:
-                continue
-            self.results[entry.tensor.name] = r.tensors
+            self.stats.error[entry.role.kind].append(error)
         if self.on_expert is not None:
             self.on_expert(self.config.n_routed_experts - 1, self.config.n_routed_experts)
         report.phases["routed_output_and_exchange"] = t2 - t1
@@ -558,8 +723,8 @@ class LayerwiseQuantizer:
         k, v = kvcache.scales(amax, self.dtype, mla)
         report.kv_scale = [float(k), float(v)]
         for name, t in zip(serving.kv_scale_names(self.model.prefix, i, mla), (k, v), strict=True):
-            if name in self.entries and name not in self.written:
-                self.results[name] = [t]
+            if name in self.entries:
+                self._store_result(name, [t])
 
     def _gptq_layer(self, layer: nn.Module, i: int, targets: dict[str, Entry],
                     report: LayerReport) -> "routed.LayerExperts | None":
@@ -661,23 +826,16 @@ class LayerwiseQuantizer:
         Wq = codec.dequantize(s, codes, params).to(W.dtype)
         self.stats.error[e.role.kind].append(float((W.float() - Wq.float()).norm() / W.float().norm().clamp(min=1e-12)))
         module.weight.data = Wq
-        if e.tensor.name in self.written:
-            return
+        if self.keep is not None and e.tensor.name not in self.keep:
+            return  # written before a resume, or by another rank
         amax = None if input_amax is None else input_amax.to(self.dtype)
-        self.results[e.tensor.name] = [t.to("cpu") for t in codec.outputs(s, codes, params, e.tensor.shape, amax)]
+        self._store_result(e.tensor.name, [t.to("cpu") for t in codec.outputs(s, codes, params, e.tensor.shape, amax)])
 
     def _quantize_module(self, module: nn.Linear, e: Entry, report: LayerReport) -> None:
         """RTN of one Linear (AWQ's last step, after its scales are applied)."""
         self._commit(module, e, *self._quantize_stacked([e.role.module], [module.weight.data], None,
                                                          {e.role.module: e})[0], report)
         release_freed_memory()
-
-    def run_worker(self) -> None:
-        """Rank > 0: its samples' forwards and its share of the routed experts, layer by layer; rank 0 solves the
-        dense Linears and writes."""
-        with precision.exact():
-            for i in range(self.next_layer, self.model.num_hidden_layers):
-                self._quantize_layer(i)
 
 
 def _check_checkpoint_space(partial: Path, plan: Plan, samples: list[torch.Tensor], dtype: torch.dtype) -> None:
@@ -712,78 +870,185 @@ class _StopWhenAllSeen:
         self.seen(name)
 
 
+def own_todo(plan: Plan, todo: list[int], rank: int, world: int) -> list[int]:
+    """The shards of `todo` that this rank writes (distributed.stream_owner)."""
+    return [i for i in todo if distributed.stream_owner(plan.stream_of(i), world) == rank]
+
+
+def _quantizer(plan: Plan, samples: list[torch.Tensor], device: torch.device, account: memory.Account,
+               dtype: torch.dtype, terms: dict, rank: int, world: int, **kwargs) -> LayerwiseQuantizer:
+    """This rank's quantizer for the run rank 0 planned (agreement.run_terms): its layers, and the results its
+    writers take (the tensors of its own main shards still to write)."""
+    keep = {e.tensor.name for i in own_todo(plan, terms["todo"][0], rank, world) for e in plan.shards[i]}
+    return LayerwiseQuantizer(plan, samples, device, account, compute_dtype=dtype, worker=rank != 0,
+                              start=terms["start"], stop=terms["stop"], keep=keep, **kwargs)
+
+
+def _layout_key(plan: Plan) -> str:
+    """What every rank's plan must agree on before it writes: the shards' names and tensors."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps([[e.tensor.name for e in s] for s in plan.shards]).encode()).hexdigest()
+
+
 class Calibrated:
-    """The `calibrated` hook of stream.run: builds the LayerwiseQuantizer once the destination is ready.
+    """The `calibrated` hook of stream.run: the ranks, their agreement, then the layer loop and its producer.
 
     With `devices` of more than one entry, ranks 1.. run on devices[1:] (engine/distributed.py) and this process
-    is rank 0 on devices[0]; `launch`, when given, has started them already (the CLI does so before planning)."""
+    is rank 0 on devices[0]; `launch`, when given, has started them already (the CLI does so before planning).
+    Made before OUT.partial exists: the ranks agree on the offload here, so a refusal leaves nothing."""
 
     def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device, offload: str = "auto",
                  on_layer: Callable[[LayerReport, int], None] | None = None, devices: list[str] | None = None,
                  on_expert: Callable[[int, int], None] | None = None, compute_dtype: str = "auto",
-                 launch: "distributed.Launch | None" = None):
-        self._launch, self._ranks = launch, None
-        self.compute = compute.choose(plan.ckpt.dtype, device, compute_dtype)
-        self.cpu_capability = compute.cpu_capability() if device.type == "cpu" else None
-        self.account = device_account(plan, samples, device, self.compute, offload, len(devices or []) or 1)
-        check_layer_memory(self.account)  # before OUT.partial exists: a refusal leaves nothing
-        self.args = (plan, samples, device, offload)
-        self.on_layer, self.on_expert = on_layer, on_expert
+                 launch: "distributed.Launch | None" = None, prefill_recipe=None):
         self.devices = devices or []
-        self.quantizer: LayerwiseQuantizer | None = None
-
-    def __call__(self, partial: Path, finished: Callable[[], set[str]]) -> Callable[[Entry], list[torch.Tensor] | None]:
-        """The producer for stream.run, which converts into `partial`; `finished()` names the tensors of the
-        output shards finished so far. Continues from the layer checkpoint in `partial` when there is one."""
-        plan, samples, device, offload = self.args
-        checkpoint = LayerCheckpoint(partial / CALIB_DIR, samples_key(samples, device, self.compute))
-        resume = checkpoint.load()
-        _check_checkpoint_space(partial, plan, samples, self.compute)
+        self._launch, self._ctx = launch, None
         if len(self.devices) > 1 and not torch.distributed.is_initialized() and self._launch is None:
             self._launch = distributed.Launch(rank_job(plan.ckpt.root, plan.recipe, self.devices, offload,
-                                                        plan.ckpt.allow_nonfinite), run_rank)
+                                                        plan.ckpt.allow_nonfinite, max_shard_size=plan.max_shard_size,
+                                                        prefill_recipe=prefill_recipe), run_rank)
         if self._launch is not None:
-            self._ranks = self._launch.join()
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            # spawned or under torchrun alike: where rank 0 resumes from, how it computes, and what
-            distributed.agree([resume.next_layer if resume else 0, distributed.dtype_code(self.compute)])
-            distributed.share_samples(samples)
-        self.quantizer = LayerwiseQuantizer(plan, samples, device, offload, on_layer=self.on_layer,
-                                            on_expert=self.on_expert, checkpoint=checkpoint, resume=resume,
-                                            finished=finished, compute_dtype=self.compute)
-        return self.quantizer.produce
+            self._ctx = self._launch.join()
+        self.rank, self.world = agreement.world()
+        compute_ = compute.choose(plan.ckpt.dtype, device, compute_dtype)
+        self.compute, samples = agreement.setup(compute_, samples)
+        self.cpu_capability = compute.cpu_capability() if device.type == "cpu" else None
+        reading = memory_reading(plan, samples, device, self.compute, self.world, self.rank)
+        self.offload = agreement.memory_terms(reading, offload)
+        self.account = reading.accounts[self.offload]
+        self.args = (plan, samples, device)
+        self.on_layer, self.on_expert = on_layer, on_expert
+        self.quantizer: LayerwiseQuantizer | None = None
+        self.ranks: list[dict] = []  # every rank's summary, once joined
+        self._todo: list[list[int]] = []
+        self._partials: list[Path] = []
+        self._written: list[set[int]] = []
+
+    def start(self, partials: list[Path], todo: list[list[int]]) -> LayerwiseQuantizer:
+        """Plan the run (from the layer checkpoint in partials[0] when one fits what is still to write), tell the
+        ranks, and start the layer loop; returns the quantizer whose `produce` the writers call."""
+        plan, samples, device = self.args
+        checkpoint = LayerCheckpoint(partials[0] / CALIB_DIR, samples_key(samples, device, self.compute))
+        resume = checkpoint.load()
+        _check_checkpoint_space(partials[0], plan, samples, self.compute)
+        stop = work_stop(plan)
+        # the first layer any shard still to write needs: a checkpoint at or before it is where the run starts
+        pending = set().union(*map(set, todo))
+        first = min((plan.segments[seg][0] for i in pending if (seg := plan.segment_of(i)) is not None
+                     and plan.segments[seg][0] < stop), default=stop)
+        start = stop if first >= stop else resume.next_layer if resume is not None and resume.next_layer <= first else 0
+        terms = agreement.run_terms({"start": start, "stop": stop, "partials": [str(p) for p in partials],
+                                     "todo": todo, "layout": _layout_key(plan)})
+        agreement.check_all(None)  # the other ranks check the layout and that they see OUT.partial
+        self._todo, self._partials = todo, partials
+        self._written = [set() for _ in todo]
+        self.quantizer = _quantizer(plan, samples, device, self.account, self.compute, terms, self.rank, self.world,
+                                    on_layer=self.on_layer, on_expert=self.on_expert, checkpoint=checkpoint,
+                                    resume=resume if resume is not None and start == resume.next_layer else None,
+                                    checkpoint_at={lo for lo, _ in plan.segments},
+                                    segments_done=self._segments_done)
+        self.quantizer.start_loop()
+        return self.quantizer
+
+    def shard_written(self, i: int, pair: tuple) -> None:
+        """Rank 0's writer finished shard i: a checkpoint waiting for it may commit now."""
+        for side, written in zip(self._written, pair, strict=True):
+            if written is not None:
+                side.add(i)
+        self.quantizer.try_commit()
+
+    def _segments_done(self, layer: int) -> bool:
+        """Whether every shard of the segments before `layer` is on disk, in every output (rank 0's writers, or
+        another rank's receipt)."""
+        from quantize.engine import writers
+
+        plan = self.args[0]
+        names = plan.shard_names
+        for i in range(len(plan.shards)):
+            seg = plan.segment_of(i)
+            if seg is None or plan.segments[seg][1] > layer:
+                continue
+            for todo, written in zip(self._todo, self._written, strict=True):
+                if i in todo and i not in written and not writers.receipt_path(self._partials[0], names[i]).is_file():
+                    return False
+        return True
+
+    def join(self, writer_stats: list[dict]) -> None:
+        """Wait for the loop (its error raised here), then take every rank's summary."""
+        self.quantizer.join()
+        mine = summary(self.quantizer, str(self.args[2]), writer_stats)
+        self.ranks = [mine] + [json.loads(distributed.recv_text(r)) for r in range(1, self.world)]
+        self.quantizer.stats.ranks = self.ranks
 
     def close(self, ok: bool = True) -> None:
         if self.quantizer is not None:
-            self.quantizer.close()
-        if self._ranks is not None:
-            distributed.finish(self._ranks, ok, self._launch.stopped)
+            self.quantizer.close(ok)
+        if self._ctx is not None:
+            distributed.finish(self._ctx, ok, self._launch.stopped, self.devices)
         elif self._launch is not None:
             self._launch.close()  # started, never given work
 
 
+def summary(q: LayerwiseQuantizer, device: str, writers: list[dict] | None = None) -> dict:
+    """One rank's seconds: per phase summed over its layers, its loop's waits, and its writers'."""
+    phases: Counter = Counter()
+    for x in q.stats.layers:
+        phases.update(x.phases)
+    return {"rank": q.rank, "device": device, "layers": len(q.stats.layers),
+            "seconds": round(sum(x.seconds for x in q.stats.layers), 3),
+            "phases": {k: round(v, 3) for k, v in sorted(phases.items())},
+            "routed_bytes": sum(x.routed_bytes for x in q.stats.layers),
+            "waited_for_writers": round(q.stats.waited_for_writers, 3),
+            "waited_for_checkpoint": round(q.stats.waited_for_checkpoint, 3),
+            "writers": writers or []}
+
+
 def rank_job(src: Path, recipe, devices: list[str], offload: str, allow_nonfinite: bool = False,
-             timeout_s: float = distributed.DEFAULT_TIMEOUT_S):
+             timeout_s: float = distributed.DEFAULT_TIMEOUT_S, max_shard_size: int = 1 << 62, prefill_recipe=None):
     """The Job of ranks 1.. (the CLI makes it before planning, to start them early)."""
-    return distributed.Job(str(src), recipe.to_dict(), 1 << 62, devices, offload, allow_nonfinite, timeout_s)
+    return distributed.Job(str(src), recipe.to_dict(), max_shard_size, devices, offload, allow_nonfinite, timeout_s,
+                           prefill_recipe.to_dict() if prefill_recipe is not None else None)
 
 
 def run_rank(job, device: torch.device) -> None:
-    """A rank > 0 (engine/distributed.py's Job): the same plan as rank 0 and rank 0's samples, then its share of
-    every layer's work, from the layer rank 0 resumes from. It embeds nothing and holds only its samples' states."""
+    """A rank > 0 (engine/distributed.py's Job): the same plan as rank 0, rank 0's samples and terms, then its
+    share of every layer's work, and the shards of its expert groups written by its own writers."""
     from quantize import recipe
     from quantize.checkpoint import Checkpoint
-    from quantize.tensor_plan import build
+    from quantize.engine import writers
+    from quantize.tensor_plan import build, pair
 
-    plan = build(Checkpoint(Path(job.src), job.allow_nonfinite), recipe.from_dict(job.recipe, "rank job"),
-                 job.max_shard_size)
+    ckpt = Checkpoint(Path(job.src), job.allow_nonfinite)
+    # workers=0: no check of this rank's memory alone (agreement.memory_terms checks every rank's, together)
+    plan = build(ckpt, recipe.from_dict(job.recipe, "rank job"), job.max_shard_size, workers=0)
+    prefill = None
+    if job.prefill_recipe is not None:
+        plan, prefill = pair(plan, build(ckpt, recipe.from_dict(job.prefill_recipe, "rank job"), job.max_shard_size,
+                                         workers=0), job.max_shard_size)
     plan.model.causal_lm_class()  # transformers' model code imports (seconds) while rank 0 still plans
-    start_layer, dtype = distributed.agree([0, 0])
-    samples = distributed.share_samples(None)
-    q = LayerwiseQuantizer(plan, samples, device, job.offload, compute_dtype=distributed.code_dtype(dtype),
-                           worker=True)
-    q.next_layer = start_layer
+    rank, world = agreement.world()
+    dtype, samples = agreement.setup(None, None)
+    reading = memory_reading(plan, samples, device, dtype, world, rank)
+    offload = agreement.memory_terms(reading, job.offload)
+    terms = agreement.run_terms(None)
+    problem = None
+    if terms["layout"] != _layout_key(plan):
+        problem = f"rank {rank} planned other shards than rank 0 (another source or quantize version?)"
+    elif not all(Path(p).is_dir() for p in terms["partials"]):
+        problem = (f"rank {rank} cannot see {terms['partials'][0]}: every rank writes its own shards there, so OUT "
+                   "must be on a filesystem every node shares")
+    agreement.check_all(problem)
+    q = _quantizer(plan, samples, device, reading.accounts[offload], dtype, terms, rank, world)
+    partials = [Path(p) for p in terms["partials"]]
+    q.start_loop()
     try:
-        q.run_worker()
-    finally:
-        q.close()
+        stats = writers.run(plan, prefill, partials, terms["todo"], own_todo(plan, sorted(set().union(
+            *map(set, terms["todo"]))), rank, world), q, device,
+            on_written=lambda i, written: writers.write_receipt(partials[0], plan.shard_names[i], written))
+        q.join()
+    except BaseException:
+        q.close(ok=False)
+        raise
+    q.close()
+    distributed.send_text(json.dumps(summary(q, str(device), stats)), 0)

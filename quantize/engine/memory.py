@@ -6,7 +6,8 @@ Per decoder layer, on the device, whatever the offload:
 - the stacks of routed experts solved at once (engine/experts.py: expert_bytes x stack_size, fixed per device);
 - the dense Hessians of the layer (all alive until solved) and the solve's working copies of the largest;
 - one sample's forward (its hidden states, attention and MLP temporaries; a DSA layer's index scores);
-- NCCL's staging of host buffers, a bounded chunk at a time (distributed.STAGE_BYTES).
+- NCCL's staging of host buffers, a bounded chunk at a time (distributed.STAGE_BYTES), and its communicators'
+  buffers (nccl_bytes).
 With `--offload gpu` also every sample's hidden states, a MoE layer's inputs recorded twice (the calibration
 pass and the quantized pass), the routed experts' partial sums (a group's and the total) and a DSA layer's
 top-k indices carried to the next layer; with `cpu` or `disk` those live on the host, or in mapped files.
@@ -18,6 +19,19 @@ from dataclasses import dataclass
 GIB = 2**30
 USABLE = 0.9  # of the free device memory: the allocator's fragmentation and cuBLAS / cuSOLVER workspaces
 ROUTER_TOP_K_BYTES = 8 + 4  # per token and slot: the expert index (int64) and its weight (float32), on the host
+# One NCCL communicator's buffers, at most: a send and a receive buffer of NCCL_BUFFSIZE (4 MiB by default) on
+# each of up to 32 channels (NVLink/NVSwitch machines open that many). An estimate, checked against the peak
+# on a GPU by scripts/gpu_check.py.
+NCCL_COMM_BYTES = 2 * (4 << 20) * 32
+
+
+def nccl_bytes(world: int, rank: int) -> int:
+    """The communicators a rank holds under NCCL: the world's (broadcasts) and one per peer it exchanges with
+    point to point (torch's ProcessGroupNCCL opens a communicator per pair): rank 0 with every rank, each
+    other rank with rank 0."""
+    if world <= 1:
+        return 0
+    return NCCL_COMM_BYTES * (1 + (world - 1 if rank == 0 else 1))
 
 
 @dataclass(frozen=True)
@@ -54,7 +68,7 @@ class Account:
 
 
 def layer_parts(layer: Layer, tokens: int, seq_len: int, hidden: int, itemsize: int, resident: bool,
-                stage_bytes: int) -> dict[str, int]:
+                stage_bytes: int, comm_bytes: int = 0) -> dict[str, int]:
     """Bytes on the compute device for one layer, by part (the module docstring says what each is); resident:
     the activations are on the device too (offload gpu, or a CPU device, whose memory is the host's)."""
     hessians = sum(4 * n * n for n in layer.hessians)
@@ -62,7 +76,7 @@ def layer_parts(layer: Layer, tokens: int, seq_len: int, hidden: int, itemsize: 
     forward = 12 * seq_len * hidden * itemsize + layer.index_heads * seq_len * seq_len * 4
     parts = {"layer weights": layer.weights, "expert stack": layer.stack,
              "dense Hessians": hessians + 2 * 4 * largest * largest, "one sample's forward": forward,
-             "staging": stage_bytes}
+             "staging": stage_bytes, "NCCL communicators": comm_bytes}
     if resident:
         act = tokens * hidden * itemsize
         parts |= {"hidden states": act, "MoE inputs (2 passes)": 2 * act if layer.moe else 0,
@@ -71,12 +85,12 @@ def layer_parts(layer: Layer, tokens: int, seq_len: int, hidden: int, itemsize: 
 
 
 def account(layers: list[Layer], tokens: int, seq_len: int, hidden: int, itemsize: int, offload: str, device: str,
-            free: int, stage_bytes: int) -> Account:
+            free: int, stage_bytes: int, comm_bytes: int = 0) -> Account:
     """The largest layer's need under `offload`."""
     best = None
     resident = offload == "gpu" or (offload == "cpu" and not device.startswith("cuda"))
     for layer in layers:
-        parts = layer_parts(layer, tokens, seq_len, hidden, itemsize, resident, stage_bytes)
+        parts = layer_parts(layer, tokens, seq_len, hidden, itemsize, resident, stage_bytes, comm_bytes)
         if best is None or sum(parts.values()) > sum(best[1].values()):
             best = (layer.index, parts)
     index, parts = best if best else (0, {})
@@ -88,24 +102,6 @@ def host_bytes(layers: list[Layer], tokens: int, hidden: int, itemsize: int) -> 
     moe = any(x.moe for x in layers)
     carry = max((x.carry for x in layers), default=0)
     return tokens * hidden * itemsize * (1 + (4 if moe else 0)) + tokens * carry
-
-
-def choose(layers: list[Layer], tokens: int, seq_len: int, hidden: int, itemsize: int, offload: str, device: str,
-           free_device: int, free_host: int, stage_bytes: int) -> Account:
-    """`auto`: gpu when the largest layer with every activation on the device fits USABLE of its free memory,
-    else cpu when the host has twice those activations free, else disk (on a CPU device, whose memory is the
-    host's, cpu or disk); the choice as asked otherwise. Whichever it is, the caller refuses an account that
-    does not fit (`fits`)."""
-    def under(kind: str) -> Account:
-        return account(layers, tokens, seq_len, hidden, itemsize, kind, device, free_device, stage_bytes)
-
-    if offload != "auto":
-        return under(offload)
-    if device.startswith("cuda"):
-        on_gpu = under("gpu")
-        if fits(on_gpu):
-            return on_gpu
-    return under("cpu" if 2 * host_bytes(layers, tokens, hidden, itemsize) < free_host else "disk")
 
 
 def fits(a: Account) -> bool:

@@ -7,6 +7,7 @@ manifest of a finished output records the same parts, so that `release` reuses o
 
 import hashlib
 import json
+import threading
 from pathlib import Path
 
 from quantize import __version__
@@ -44,6 +45,7 @@ class State:
     def __init__(self, partial: Path, parts: dict[str, str], done: dict[str, dict]):
         self.partial, self.parts, self.done = partial, parts, done
         self.fingerprint = fingerprint(parts)
+        self._lock = threading.Lock()  # a calibrated run's writers mark their shards from threads of their own
 
     @classmethod
     def open(cls, partial: Path, parts: dict[str, str], resume: bool) -> "State":
@@ -61,8 +63,11 @@ class State:
         return state
 
     def save(self) -> None:
-        write_json(self.partial / STATE_NAME, {"fingerprint": self.fingerprint, "parts": self.parts, "done": self.done})
+        with self._lock:
+            write_json(self.partial / STATE_NAME, {"fingerprint": self.fingerprint, "parts": self.parts,
+                                                   "done": dict(self.done)})
 
     def mark(self, unit: str, **info) -> None:
-        self.done[unit] = info
+        with self._lock:
+            self.done[unit] = info
         self.save()

@@ -19,7 +19,7 @@ import torch
 from quantize import __version__, compute
 from quantize.checkpoint import INDEX_NAME
 from quantize.destination import check_apart, hold, partial_dir, prepare_check
-from quantize.engine import devices
+from quantize.engine import devices, writers
 from quantize.engine.layer_state import CALIB_DIR
 from quantize.engine.ordered import in_order
 from quantize.engine.state import STATE_NAME, State, fingerprint_parts
@@ -277,14 +277,14 @@ def run(
     overwrite: bool = False,
     source_info: dict | None = None,
     progress: Callable[[int, int], None] | None = None,
-    calibrated: Callable[[set[str]], Callable] | None = None,
+    calibrated=None,
     prefill: tuple[Plan, Path] | None = None,
 ) -> Result:
     """Convert per `plan` into `out`. `progress(done_bytes, total_bytes)` is called from worker threads.
 
-    `calibrated(partial, finished)`, for the calibrated methods, makes the per-entry producer of
-    engine/layerwise.py once the destination is known to be usable; `finished()` names the tensors of the
-    output shards finished so far (by this run or before a resume).
+    `calibrated`, for the calibrated methods, is engine/layerwise.Calibrated (its ranks started, their terms
+    agreed): once the destination is known to be usable it starts the layer loop, and this rank's writers
+    (engine/writers.py) write its streams' shards while the other ranks write theirs.
 
     `prefill=(plan2, out2)`: also write a second output (the FP8 prefill variant of a disaggregated pair) in the
     same pass; the two plans come from tensor_plan.pair, so shard i of both holds the same source tensors."""
@@ -307,6 +307,10 @@ def _run(plan, out, device, workers, resume, overwrite, source_info, progress, c
     main = _Output(plan, out, resume, overwrite)
     second = _Output(*prefill, resume, overwrite) if prefill is not None else None
     outputs = [main] + ([second] if second else [])
+    if resume:  # shards other ranks finished before the run stopped
+        _fold_receipts(outputs)
+        for o in outputs:
+            o.todo = [i for i, n in enumerate(o.names) if not _still_good(o.partial / n, o.state.done.get(n))]
     todo = sorted(set().union(*(o.todo for o in outputs)))
     for o in outputs:
         free = shutil.disk_usage(o.partial).free
@@ -327,37 +331,25 @@ def _run(plan, out, device, workers, resume, overwrite, source_info, progress, c
     advance(0)
     source_hashes = _hash_source_in_background(plan.ckpt.root)
     dev = torch.device(device)
-    produce_calibrated = None
-    finished_shards = [i for i in range(len(main.names)) if i not in main.todo]
-
-    def finished() -> set[str]:
-        return {e.tensor.name for i in list(finished_shards) for e in plan.shards[i]}
-
-    if calibrated is not None:
-        workers = 1  # the layer forwards use every core; one producer thread overlaps them with the writer
-        produce_calibrated = calibrated(main.partial, finished)
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, compute.cores() // workers))
     try:
-        with devices.pool(workers) as pool:
-            for i in todo:
-                # one more in flight than workers, so that a tensor is ready whenever the writer is
-                if second is None:
-                    written = write_shard(plan, i, main.partial / main.names[i], dev, advance, pool, depth=workers + 1,
-                                          calibrated=produce_calibrated)
-                    pair = (written,)
-                else:
+        if calibrated is not None:
+            workers = 1  # the layer loop uses every core; each writer has one thread that reads ahead
+            _write_calibrated(plan, outputs, calibrated, dev, advance)
+        else:
+            torch.set_num_threads(max(1, compute.cores() // workers))
+            with devices.pool(workers) as pool:
+                for i in todo:
+                    # one more in flight than workers, so that a tensor is ready whenever the writer is
                     paths = tuple(o.partial / o.names[i] if i in o.todo else None for o in outputs)
-                    pair = write_shard_pair(plan, second.plan, i, paths, dev, advance, pool, depth=workers + 1,
-                                            calibrated=produce_calibrated)
-                for o, written in zip(outputs, pair, strict=True):
-                    if written is not None:
-                        o.mark(i, written)
-                finished_shards.append(i)
+                    pair = write_shard_pair(plan, second.plan if second else None, i, (*paths, None)[:2], dev, advance,
+                                            pool, depth=workers + 1)
+                    _mark(outputs, i, pair)
     finally:
         torch.set_num_threads(threads)
         _stashes.pop(id(plan), None)
     shutil.rmtree(main.partial / CALIB_DIR, ignore_errors=True)  # every shard is written: the layer checkpoints are done
+    shutil.rmtree(main.partial / writers.RECEIPTS, ignore_errors=True)  # folded into the state
     for o in reversed(outputs):  # the prefill variant first: OUT appearing means both are there
         o.finish(source_info, source_hashes)
     return Result(
@@ -376,6 +368,43 @@ def _run(plan, out, device, workers, resume, overwrite, source_info, progress, c
                                              "scheme": second.plan.recipe.scheme.label,
                                              "output_bytes": second.plan.out_bytes, "tp_served": second.plan.tp_served},
     )
+
+
+def _mark(outputs: list[_Output], i: int, pair: tuple) -> None:
+    for o, written in zip(outputs, pair, strict=False):
+        if written is not None:
+            o.mark(i, written)
+
+
+def _fold_receipts(outputs: list[_Output]) -> None:
+    """Mark the shards other ranks wrote (engine/writers.py's receipts) in each output's state."""
+    index = {n: i for i, n in enumerate(outputs[0].names)}
+    for name, written in writers.read_receipts(outputs[0].partial).items():
+        _mark(outputs, index[name], tuple(tuple(w) if w is not None else None for w in written))
+
+
+def _write_calibrated(plan: Plan, outputs: list[_Output], calibrated, dev: torch.device, advance) -> None:
+    """The layer loop of every rank, and this rank's writers (its streams, engine/writers.py); the other ranks'
+    shards are in the state once their receipts are folded in."""
+    from quantize.engine.layerwise import own_todo
+
+    todo = [o.todo for o in outputs]
+    engine = calibrated.start([o.partial for o in outputs], todo)
+    mine = own_todo(plan, sorted(set().union(*map(set, todo))), calibrated.rank, calibrated.world)
+
+    def on_written(i: int, pair: tuple) -> None:
+        _mark(outputs, i, pair)
+        calibrated.shard_written(i, pair[:len(outputs)])
+
+    second = outputs[1].plan if len(outputs) > 1 else None
+    stats = writers.run(plan, second, [o.partial for o in outputs], todo, mine, engine, dev, on_written, advance)
+    calibrated.join(stats)
+    _fold_receipts(outputs)
+    for o in outputs:
+        missing = [i for i in o.todo if o.names[i] not in o.state.done]
+        if missing:
+            raise QuantizeError(f"{o.names[missing[0]]} was not written by the rank that owns it; its error is "
+                                f"printed above: rerun with --resume")
 
 
 def library_versions() -> dict[str, str]:
