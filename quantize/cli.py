@@ -74,6 +74,13 @@ def fail(e: QuantizeError) -> None:
 
 
 
+def _device_peak(dev: str) -> int | None:
+    """The GPU memory this process held at most (torch's allocator), to set against the account; None on CPU."""
+    import torch
+
+    return torch.cuda.max_memory_allocated(dev) if dev.startswith("cuda") else None
+
+
 def _group_up() -> bool:
     """Whether this process is in a process group (imports torch only if it was imported already)."""
     torch = sys.modules.get("torch")
@@ -588,7 +595,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
                          "dampening_frac": r.gptq.dampening_frac}} if r.method == "gptq" else {}),
             "memory": {"device": calibrated.account.device, "layer": calibrated.account.layer,
                        "bytes": calibrated.account.total, "free": calibrated.account.free,
-                       "parts": calibrated.account.parts},
+                       "parts": calibrated.account.parts, "peak": _device_peak(dev)},
             "layers": len(stats.layers),
             "resumed_layers": stats.resumed_layers,
             "seconds_per_layer": [round(x.seconds, 3) for x in stats.layers],

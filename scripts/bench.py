@@ -764,10 +764,11 @@ def bench_moe_layer(args) -> dict:
     cal = report["calibration"]
     per_layer, phases = cal["seconds_per_layer"], cal["seconds_per_phase"]
     experts_bf16 = args.experts * 3 * args.hidden * args.moe_inter * 2
-    moe = per_layer[1] * 384 / args.experts  # the expert work scales with the expert count
-    # on 8 devices the routed experts split 8 ways; the forwards and dense work stay on rank 0
+    # the expert work (solves, routed outputs) scales with the expert count, the forwards and the dense solves do
+    # not; on 8 devices the routed experts split 8 ways while the dense work stays on rank 0
     expert_part = sum(v for k, v in phases[1].items() if k in ("experts", "routed_output_and_exchange"))
-    moe_8 = (per_layer[1] - expert_part + expert_part / 8) * 384 / args.experts
+    moe = per_layer[1] - expert_part + expert_part * 384 / args.experts
+    moe_8 = per_layer[1] - expert_part + expert_part * 384 / args.experts / 8
     shutil.rmtree(out, ignore_errors=True)
     return {
         "device": devices, "dims": dataclasses.asdict(dims), "num_samples": args.num_samples,
@@ -778,6 +779,7 @@ def bench_moe_layer(args) -> dict:
         "seconds_per_layer": per_layer, "seconds_per_phase": phases,
         "moe_layer_seconds": per_layer[1], "experts_calibrated": cal["experts_calibrated"],
         "fallbacks": len(cal["fallbacks"]),
+        "memory": cal["memory"],  # the account the ranks agreed on, and the device's measured peak (CUDA)
         "kimi_k2_extrapolated_hours_1_device": (per_layer[0] + 60 * moe) / 3600,
         "kimi_k2_extrapolated_hours_8_devices": (per_layer[0] + 60 * moe_8) / 3600,
     }
@@ -795,8 +797,12 @@ def timed(f):
         finally:
             spent["routed"] += time.perf_counter() - t
     return run
-L.LayerwiseQuantizer._quantize_experts = timed(L.LayerwiseQuantizer._quantize_experts)
-L.UnfusedExperts.forward = timed(L.UnfusedExperts.forward)
+# what an old revision calls its routed-expert work: whichever of these it has
+for owner, name in ((L.LayerwiseQuantizer, "_quantize_experts"), (getattr(L, "UnfusedExperts", None), "forward"),
+                    (L.LayerwiseQuantizer, "_finish_experts")):
+    if owner is not None and hasattr(owner, name) and not (name == "_finish_experts" and
+                                                           hasattr(L.LayerwiseQuantizer, "_quantize_experts")):
+        setattr(owner, name, timed(getattr(owner, name)))
 layer = L.LayerwiseQuantizer._quantize_layer
 def per_layer(self, i):
     spent["routed"] = 0.0

@@ -378,9 +378,9 @@ def kimi_stack(ctx: Ctx) -> str:
             torch.cuda.synchronize()
         took = time.perf_counter() - t
         assert not bool(fallback.any()), "a positive definite Hessian fell back to RTN"
-        peak = (torch.cuda.max_memory_allocated(dev) - base) / 2**30 if ctx.cuda else float("nan")
         seconds += took
-        out.append(f"[{n}, {rows}, {cols}] {took:.1f} s (peak {peak:.1f} GiB)")
+        peak = f" (peak {(torch.cuda.max_memory_allocated(dev) - base) / 2**30:.1f} GiB)" if ctx.cuda else ""
+        out.append(f"[{n}, {rows}, {cols}] {took:.2f} s{peak}")
         del W, H, codes, scale
     (ctx.out / "kimi-stack.json").write_text(json.dumps({"stack": out, "seconds": seconds,
                                                          "layer_solve_seconds_extrapolated": seconds * 384 / n}))
@@ -423,6 +423,9 @@ def kimi_layer(ctx: Ctx) -> str:
             f"(expert phases scaled); Kimi K2 {r['kimi_k2_extrapolated_hours_1_device']:.2f} h on 1 GPU, "
             f"{r['kimi_k2_extrapolated_hours_8_devices']:.2f} h on 8")
     if ctx.cuda:
+        peak, account = r["memory"]["peak"], r["memory"]["bytes"]
+        line += f"; peak {peak / 2**30:.1f} GiB, account {account / 2**30:.1f} GiB"
+        assert peak <= account, f"the layer's GPU peak passed its account: {line}"
         assert full_layer <= 60, f"over 60 s per layer: {line}"
     return line
 

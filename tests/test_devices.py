@@ -3,7 +3,6 @@ current device is per thread, as CUDA's is (a thread starts on GPU 0; set_device
 One lent GPU cannot host two NCCL ranks, so the bugs of torchrun and of --devices cuda:1,cuda:2 are pinned here."""
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -133,7 +132,7 @@ def test_every_thread_the_engine_starts_computes_and_stages_on_the_ranks_gpu(cud
     staged, seen = [], []
 
     class Engine:  # layerwise.Calibrated as stream.run drives it: the writers call produce
-        rank, world, waited = 0, 1, {}
+        rank, world = 0, 1
 
         def start(self, partials, todo):
             return self

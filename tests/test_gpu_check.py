@@ -83,3 +83,42 @@ def test_the_scripts_download_and_install_the_one_list():
     assert "--no-index" in install and "--target" in install and "PYTHONPATH" in install
     assert 'for py in 3.12 ' in download and '--python-version "$py"' in download  # the image's Python
     assert "/.whl/" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_a_check_that_hangs_is_stopped_at_its_timeout_and_the_json_is_kept_after_each_check(tmp_path, monkeypatch):
+    """The GPU day has one 600-second call: a check that hangs must fail alone, at its own timeout, and what ran
+    before it must already be on disk (gpu-check.json rewritten after every check)."""
+    import json
+    import time
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check
+    import make_fixture
+
+    seen = []
+
+    def hangs(ctx):
+        seen.append(json.loads((tmp_path / "out" / "gpu-check.json").read_text())["results"])
+        time.sleep(30)
+
+    def after(ctx):
+        return "ran"
+
+    registered = list(gpu_check.CHECKS)
+    checks = [gpu_check.check(5)(lambda ctx: "first"), gpu_check.check(1)(hangs), gpu_check.check(5)(after)]
+    gpu_check.CHECKS[:] = registered  # the real list as it was: these three run only here
+    for fn, name in zip(checks, ("first", "hangs", "after"), strict=True):
+        fn.__name__ = name
+    monkeypatch.setattr(gpu_check, "CHECKS", checks)
+    monkeypatch.setattr(make_fixture, "build", lambda kind, out: None)
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    monkeypatch.setenv("GPU_CHECK_WORK", str(tmp_path / "work"))
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--device", "cpu"])
+    t0 = time.monotonic()
+    assert gpu_check.main() == 1
+    assert time.monotonic() - t0 < 20
+    assert [r["check"] for r in seen[0]] == ["first"]  # on disk before the hanging check began
+    doc = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
+    assert doc["complete"] and [(r["check"], r["status"]) for r in doc["results"]] == [
+        ("first", "PASS"), ("hangs", "FAIL"), ("after", "PASS")]
+    assert "CheckTimeout" in doc["results"][1]["detail"]

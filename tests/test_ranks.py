@@ -161,7 +161,7 @@ def test_each_rank_writes_the_shards_of_the_experts_it_solved(fixtures_dir, tmp_
     streams = {r["rank"]: {w["stream"] for w in r["writers"]} for r in ranks}
     assert 0 in streams[0] and 0 not in streams[1]  # rank 0 writes all but the routed experts
     for r in ranks:
-        assert r["phases"]["forward"] > 0 and r["phases"]["experts" if r["rank"] == 0 else "routed_output_and_exchange"] >= 0
+        assert r["phases"]["forward"] > 0 and r["phases"]["experts"] > 0 and r["phases"]["routed_output_and_exchange"] > 0
         assert all(w["busy"] >= 0 and w["waiting_for_layers"] >= 0 and w["bytes"] > 0 for w in r["writers"])
         assert r["routed_bytes"] > 0  # the rows each group touched, counted on both sides
     one = outs["one", "report"]["calibration"]["ranks"]

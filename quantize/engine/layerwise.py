@@ -227,7 +227,6 @@ class LayerwiseQuantizer:
         self._error: BaseException | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.waited: dict[str, float] = defaultdict(float)  # writer thread name -> seconds waiting for a layer
         # checkpoints (rank 0): saved entering these layers, committed once segments_done(layer)
         self._checkpoint_at, self._segments_done = checkpoint_at, segments_done
         self._saver, self._saving = devices.pool(1), None
@@ -355,7 +354,6 @@ class LayerwiseQuantizer:
         if layer < self.start:  # tensor_plan's segments and agreement's start rule make this unreachable
             raise AssertionError(f"{e.tensor.name}: layer {layer} was not computed in this run (it starts at "
                                  f"{self.start})")
-        t0 = time.perf_counter()
         with self._cond:
             while self._published <= layer and self._error is None and not self._stopping:
                 self._cond.wait()
@@ -370,7 +368,6 @@ class LayerwiseQuantizer:
         if out is None and (e.tensor.name in self.targets or e.action == "kv_scale"):
             # never written from the source instead: that would be RTN bytes under a calibrated recipe
             raise AssertionError(f"{e.tensor.name}: layer {layer} kept no result for this rank's writers")
-        self.waited[threading.current_thread().name] += time.perf_counter() - t0
         return out
 
     # -- checkpoints (rank 0): the activations entering a segment, committed once the segments before are done --
@@ -530,7 +527,9 @@ class LayerwiseQuantizer:
         else:
             moe = self._gptq_layer(layer, i, targets, report)
             if moe is not None and self.rank != 0:
+                t = time.perf_counter()
                 moe.solve()  # the others solve their experts while rank 0 solves the dense Linears
+                report.phases["experts"] = time.perf_counter() - t
             if self.dp:
                 sending = self._share_dense(layer, i, targets)
         self._wait_for_checkpoint()  # the previous layer's checkpoint still reads the activations about to change

@@ -66,15 +66,21 @@ def run(plan: Plan, prefill: Plan | None, partials: list[Path], todo: list[list[
 
     def write(s: int, mine: list[int]) -> None:
         devices.follow()
-        t0, n = time.perf_counter(), 0
-        name = threading.current_thread().name
+        t0, n, waited = time.perf_counter(), 0, [0.0]
+
+        def produce(e):  # runs in the pool's thread: what this writer waits for the layer loop
+            t = time.perf_counter()
+            try:
+                return engine.produce(e)
+            finally:
+                waited[0] += time.perf_counter() - t
         try:
             with devices.pool(1) as pool:  # the next tensor is read and packed while this one is written
                 for i in mine:
                     paths = tuple(p / names[i] if i in set(t) else None for p, t in zip(partials, todo, strict=False))
                     paths = paths + (None,) * (2 - len(paths))
                     written = stream.write_shard_pair(plan, prefill, i, paths, device, advance, pool, depth=2,
-                                                      calibrated=engine.produce)
+                                                      calibrated=produce)
                     n += sum(w[0] for w in written if w is not None)
                     on_written(i, written)
         except BaseException as e:
@@ -82,9 +88,8 @@ def run(plan: Plan, prefill: Plan | None, partials: list[Path], todo: list[list[
             engine.stop_loop()
         finally:
             total = time.perf_counter() - t0
-            waited = engine.waited.get(name, 0.0)
             stats[s] = {"stream": s, "shards": len(mine), "bytes": n, "seconds": round(total, 3),
-                        "waiting_for_layers": round(waited, 3), "busy": round(total - waited, 3)}
+                        "waiting_for_layers": round(waited[0], 3), "busy": round(max(total - waited[0], 0.0), 3)}
 
     threads = [threading.Thread(target=write, args=(s, mine), name=f"writer-{s}", daemon=True)
                for s, mine in sorted(by_stream.items())]
