@@ -60,10 +60,11 @@ def next_layer(partial: Path) -> int:
         return 0
 
 
-# the layerwise engine's own units: killed after a layer checkpoint, the resume must start from it
+# the layerwise engine's own units: killed after a layer checkpoint (one enters each segment of layers but the
+# first; none is taken after the last layer), the resume must start from it
 LAYER_POINTS = {
     "first layer checkpointed": lambda p: next_layer(p) >= 1,
-    "every layer checkpointed, shards left": lambda p: next_layer(p) >= 2 and done_shards(p) < 7,
+    "checkpointed, the next segment's shards under way": lambda p: next_layer(p) >= 1 and done_shards(p) >= 5,
 }
 
 
