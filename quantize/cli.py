@@ -429,9 +429,8 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
         overrides = {k: v for k, v in dict(data=calib, num_samples=num_samples, seq_len=seq_len, seed=seed,
                                            calibrate_all_experts=calibrate_all_experts,
                                            min_expert_tokens=min_expert_tokens).items() if v is not None}
-        r = dataclasses.replace(r, method=method or r.method, calibration=dataclasses.replace(r.calibration, **overrides),
-                                kv_cache=kv_cache or r.kv_cache,
-                                gptq=dataclasses.replace(r.gptq, scales=scales) if scales else r.gptq)
+        r = recipes.with_overrides(r, f"{recipe_path or 'the preset'} with the command line's options", method,
+                                   overrides, kv_cache, scales)
         if r.kv_cache and r.method == "rtn":
             raise click.UsageError("--kv-cache fp8 calibrates its scales: use --method gptq or awq with --calib")
         if r.calibrated and r.method == "rtn" and (r.scheme.fp8_block or not r.scheme.symmetric):

@@ -213,6 +213,23 @@ class Recipe:
         return d
 
 
+def with_overrides(r: Recipe, where: str, method: str | None = None, calibration: dict | None = None,
+                   kv_cache: str | None = None, scales: str | None = None) -> Recipe:
+    """The recipe with the command line's options in place, checked again by every rule of from_dict: an option
+    must not let through what the same recipe written in its file is refused for (an FP8-block recipe with
+    --method gptq)."""
+    d = {**r.to_dict(), "description": r.description}
+    d["method"] = method or r.method
+    d["calibration"] = {**vars(r.calibration), **(calibration or {})}
+    if d["method"] == "gptq":
+        d["gptq"] = {**vars(r.gptq), **({"scales": scales} if scales else {})}
+    elif d["method"] == "awq":
+        d["awq"] = vars(r.awq)
+    if kv_cache:
+        d["kv_cache"] = kv_cache
+    return replace(from_dict(d, where), source=r.source)
+
+
 def matches(pattern: str, name: str) -> bool:
     if pattern.startswith("re:"):
         return re.match(pattern[3:], name) is not None

@@ -288,3 +288,29 @@ def test_group_size_given_with_a_recipe_overrides_its_int4_group_size(fixtures_d
     fp4.write_text("name: nvfp4\nscheme: {num_bits: 4, type: float, strategy: tensor_group, group_size: 16}\n")
     r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "x"), "--recipe", str(fp4), "--group-size", "32"])
     assert r.exit_code == 2 and "fixes its own group size" in r.output and not (tmp_path / "x").exists()
+
+
+def test_a_command_line_option_cannot_pass_what_the_recipe_file_is_refused_for(fixtures_dir, tmp_path):
+    """`--recipe fp8-block.yaml --method gptq` printed a plan, started the layers and ended in a traceback
+    (TypeError at `G = n // group_size`, exit 1), while the same recipe with `method: gptq` in its file is refused
+    in one line: the options now go through every rule of recipe.from_dict, before anything runs."""
+    import yaml
+    from click.testing import CliRunner
+
+    from quantize import recipe
+    from quantize.cli import main
+
+    f = tmp_path / "fp8-block.yaml"
+    f.write_text(yaml.safe_dump(recipe.preset("fp8-block", 128).to_dict()))
+    calib = tmp_path / "calib.txt"
+    calib.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    r = CliRunner().invoke(main, ["convert", str(fixtures_dir / "llama-bf16"), str(tmp_path / "out"), "--recipe",
+                                  str(f), "--method", "gptq", "--calib", str(calib)])
+    assert r.exit_code == 2, r.output
+    assert "FP8 block weights are data-free" in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "out.partial").exists()
+    written = f.read_text().replace("method: rtn", "method: gptq")
+    f.write_text(written)
+    same = CliRunner().invoke(main, ["convert", str(fixtures_dir / "llama-bf16"), str(tmp_path / "out"), "--recipe",
+                                     str(f), "--calib", str(calib)])
+    assert same.exit_code == 2 and "FP8 block weights are data-free" in same.output
