@@ -431,11 +431,6 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
                                            min_expert_tokens=min_expert_tokens).items() if v is not None}
         r = recipes.with_overrides(r, f"{recipe_path or 'the preset'} with the command line's options", method,
                                    overrides, kv_cache, scales)
-        if r.kv_cache and r.method == "rtn":
-            raise click.UsageError("--kv-cache fp8 calibrates its scales: use --method gptq or awq with --calib")
-        if r.calibrated and r.method == "rtn" and (r.scheme.fp8_block or not r.scheme.symmetric):
-            raise click.UsageError("--calib with --method rtn chooses symmetric INT4 or FP4 scales; FP8 blocks and "
-                                   "asymmetric INT4 keep their min/max scales: leave --calib out")
         if r.method != "rtn" and not r.calibration.data:
             raise click.UsageError(f"--method {r.method} needs calibration data: --calib FILE or the recipe's calibration.data")
         local = hub.check_local(src)  # a missing path fails here, before torch is imported

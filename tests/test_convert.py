@@ -314,3 +314,43 @@ def test_a_command_line_option_cannot_pass_what_the_recipe_file_is_refused_for(f
     same = CliRunner().invoke(main, ["convert", str(fixtures_dir / "llama-bf16"), str(tmp_path / "out"), "--recipe",
                                      str(f), "--calib", str(calib)])
     assert same.exit_code == 2 and "FP8 block weights are data-free" in same.output
+
+
+def test_every_option_combination_gets_the_same_verdict_from_the_file_and_from_the_command_line():
+    """method x scheme x group size x kv cache x scale rule, written in the recipe file or given as the command
+    line's options over a plain recipe of the same scheme (recipe.with_overrides, what `convert` calls): the same
+    verdict either way, and the same recipe when both accept it."""
+    import itertools
+
+    from quantize import recipe
+    from quantize.errors import UsageError
+
+    def verdict(make, *args):
+        try:
+            return make(*args)
+        except UsageError:
+            return "refused"
+
+    checked = refused = 0
+    for scheme, group_size in itertools.product(("w4a16", "fp8-block", "w4afp8", "nvfp4", "nvfp4a16", "mxfp4a16"),
+                                                (32, 128)):
+        base = next((r for m in recipe.METHODS if (r := verdict(recipe.preset, scheme, group_size, m)) != "refused"),
+                    None)
+        if base is None:  # the scheme fixes another group size (w4afp8 is 128): --group-size's own refusal
+            continue
+        for method, kv, scales in itertools.product(recipe.METHODS, (None, "fp8"), (None, "hessian")):
+            d = {**base.to_dict(), "method": method, "calibration": {"data": "calib.jsonl"}}
+            d.pop("gptq", None), d.pop("awq", None)
+            if kv:
+                d["kv_cache"] = kv
+            if scales and method == "gptq":
+                d["gptq"] = {"scales": scales}
+            written = verdict(recipe.from_dict, d, "the file")
+            given = verdict(recipe.with_overrides, base, "the command line", method, {"data": "calib.jsonl"}, kv,
+                            scales)
+            assert (written == "refused") == (given == "refused"), (scheme, group_size, method, kv, scales)
+            if written != "refused":
+                assert written.to_dict() == given.to_dict(), (scheme, group_size, method, kv, scales)
+            checked += 1
+            refused += written == "refused"
+    assert checked >= 80 and 0 < refused < checked, (checked, refused)
