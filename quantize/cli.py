@@ -26,6 +26,7 @@ from quantize import __version__, hub
 from quantize import recipe as recipes
 from quantize.destination import check_apart, hold, prepare_check
 from quantize.errors import QuantizeError
+from quantize.machine import cores
 from quantize.plan import size_label  # plan.py imports no torch: --help and usage errors stay fast
 
 GPU_CHOICES = ("h100", "h200", "b200")
@@ -53,11 +54,6 @@ class BytesOnly(ProgressColumn):
 
     def render(self, task) -> Text:
         return self.inner.render(task) if task.fields.get("bytes") else Text("")
-
-
-def _cores() -> int:
-    """compute.cores, without importing torch: --help and path errors must not wait for it."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def parse_size(_ctx, _param, value: str) -> int:
@@ -369,7 +365,7 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
               help="Minutes a rank may wait in one exchange with the others (while rank 0 plans, rehashes on "
               "--resume, solves and writes). A rank that dies ends the job within seconds whatever this is.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size, help="Largest output shard.")
-@click.option("--workers", default=lambda: min(8, _cores()), show_default="CPU cores, at most 8",
+@click.option("--workers", default=lambda: min(8, cores()), show_default="CPU cores, at most 8",
               type=click.IntRange(1, 64), help="Tensors converted at once (threads); memory grows with it.")
 @click.option("--tp", type=click.IntRange(1, 64), help="Refuse unless the output serves at this tensor-parallel size.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT (and any interrupted OUT.partial); never an output a live "
@@ -631,7 +627,7 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
 @click.argument("out_dir", metavar="OUT")
 @click.option("--source", help="The source checkpoint (Hub id or folder), for --deep.")
 @click.option("--deep", is_flag=True, help="Dequantize every packed weight and compare it with the source's.")
-@click.option("--workers", default=lambda: min(8, _cores()), show_default="CPU cores, at most 8",
+@click.option("--workers", default=lambda: min(8, cores()), show_default="CPU cores, at most 8",
               type=click.IntRange(1, 64), help="Files hashed at once.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
 def verify(out_dir, source, deep, workers, as_json):

@@ -8,17 +8,12 @@ dtype first, so that RTN's scales stay those of compressed-tensors. Only the for
 """
 
 import contextlib
-import os
 
 import torch
 
+from quantize.machine import cores  # noqa: F401  (compute.cores: the engines' name for it)
+
 CHOICES = ("auto", "model", "float32")
-
-
-def cores() -> int:
-    """The CPU cores this process may run on: its affinity mask (taskset, a container's cpuset), which
-    os.cpu_count ignores."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def cpu_capability() -> str:
