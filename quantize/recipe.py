@@ -340,11 +340,12 @@ def from_dict(raw: object, where: str) -> Recipe:
         raise UsageError(f"{where}: FP8 block weights are data-free (max per block, as compressed-tensors' FP8_BLOCK); "
                          "use method rtn")
     if kv_cache and method == "rtn":
-        raise UsageError(f"{where}: kv_cache scales are calibrated: use method gptq or awq with calibration data")
+        raise UsageError(f"{where}: kv_cache scales are calibrated: use method gptq or awq with calibration data "
+                         "(--method gptq or awq --calib FILE)")
     calibration = _section(Calibration, raw.get("calibration"), "calibration", where)
     if calibration.data is not None and method == "rtn" and (scheme.fp8_block or not scheme.symmetric):
         raise UsageError(f"{where}: calibrated rtn chooses symmetric INT4 or FP4 scales; FP8 blocks and asymmetric "
-                         "INT4 keep their min/max scales: leave calibration.data out")
+                         "INT4 keep their min/max scales: leave calibration.data (--calib) out")
     if calibration.num_samples < 1 or calibration.seq_len < 8 or calibration.min_expert_tokens < 0:
         raise UsageError(f"{where}: calibration needs num_samples >= 1, seq_len >= 8, min_expert_tokens >= 0")
     return Recipe(

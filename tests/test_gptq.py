@@ -439,9 +439,9 @@ def test_a_hessian_with_nan_or_inf_gives_rtn_codes_whatever_the_solver_reports(s
 
 
 def test_the_solve_gives_the_same_bytes_on_any_number_of_cpu_threads():
-    """Two CPU ranks split the cores (distributed.share_cores): a rank's results must not depend on its thread
-    count. LAPACK's Cholesky rounds differently on two threads, so the solve factors on one; the triangular
-    solve and the rest are the same bytes on any count."""
+    """The solve's results must not depend on its thread count (the forwards' GEMMs may: a CPU rank computes on
+    the machine's count, distributed.cpu_threads). LAPACK's Cholesky rounds differently on two threads, so the
+    solve factors on one; the triangular solve and the rest are the same bytes on any count."""
     X = correlated_inputs(3000, 1024, seed=7)
     H = torch.zeros(1024, 1024)
     gptq.add_batch(H, X)

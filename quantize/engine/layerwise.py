@@ -177,9 +177,7 @@ class LayerwiseQuantizer:
                  checkpoint_at: set[int] = frozenset(), segments_done: Callable[[int], bool] | None = None):
         self.plan, self.device, self.on_layer, self.on_expert = plan, device, on_layer, on_expert
         self.checkpoint = checkpoint
-        dist = torch.distributed
-        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.rank = dist.get_rank() if self.world > 1 else 0
+        self.rank, self.world = agreement.world()
         # the math's thread count is fixed by the machine, never by the number of ranks (distributed.cpu_threads)
         self.threads = distributed.cpu_threads() if device.type == "cpu" else torch.get_num_threads()
         # data-parallel forwards (GPTQ): the samples this rank runs, and each rank's span of the token rows

@@ -67,8 +67,8 @@ def _row_blocks(n: int, block: int = 384) -> list[tuple[int, int]]:
 @contextlib.contextmanager
 def _thread_invariant(device: torch.device):
     """One CPU thread: LAPACK's Cholesky rounds differently with another thread count (the only step of the
-    solve that does, measured), and the bytes must not depend on how many cores a rank was given (two CPU ranks
-    split them; distributed.share_cores). 7168 wide: 1.75 s on one thread against 0.95 s on two."""
+    solve that does, measured), and the bytes must not depend on the machine's core count either, where the
+    solve alone can promise it. 7168 wide: 1.75 s on one thread against 0.95 s on two."""
     if device.type != "cpu":
         yield
         return
