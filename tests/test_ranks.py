@@ -4,7 +4,8 @@ unless it is forced. Each test forces one condition on gloo CPU ranks, through a
 process of the run imports (spawned ranks inherit PYTHONPATH): a rank short of memory, a leave that would block
 as NCCL's destroy_process_group can, an error on one rank with work pending, a GEMM whose bits follow the thread
 count, trailing layers with nothing to quantize, and a sender that stages where its receiver does not. Every
-test ends within its timeout; each of them hung or failed on the code before engine/agreement.py."""
+test ends within its timeout; each of these seven hung or failed on the code before engine/agreement.py (the
+last test, a prefill pair on two ranks, pins the writers' second output)."""
 
 import json
 import subprocess
@@ -228,3 +229,24 @@ def test_a_message_is_split_the_same_way_on_both_sides_whatever_either_stages(tm
         p.kill()
     assert not alive, "a rank hung"
     assert sorted(result.get(timeout=5) for _ in procs) == [("ok", 0), ("ok", 1)]
+
+
+def test_a_prefill_pair_on_two_ranks_gives_both_outputs_of_one(fixtures_dir, tmp_path):
+    """`--prefill-out` with `--devices cpu,cpu`: rank 1 writes both sides of its expert shards (the INT4 codes it
+    solved, and their FP8 prefill twins from the source), rank 0 the rest; both outputs are one rank's bytes."""
+    import yaml
+
+    from quantize import recipe
+
+    fp8 = tmp_path / "fp8.yaml"
+    fp8.write_text(yaml.safe_dump(recipe.preset("fp8-block", 128).to_dict()))
+    outs = {}
+    for name, extra in (("one", []), ("two", ["--devices", "cpu,cpu"])):
+        outs[name] = tmp_path / name
+        p, _ = convert(gptq_args(fixtures_dir, tmp_path, "kimi-k2-fp8", outs[name], "--recipe",
+                                 str(RECIPES / "kimi-k2-w4a16.yaml"), "--prefill-out", str(tmp_path / f"{name}-fp8"),
+                                 "--prefill-recipe", str(fp8), *extra), timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+    for side in ("", "-fp8"):
+        one, two = shard_bytes(tmp_path / f"one{side}"), shard_bytes(tmp_path / f"two{side}")
+        assert one and one == two, side
