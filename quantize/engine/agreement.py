@@ -106,21 +106,33 @@ def decide(readings: list[Reading], asked: str) -> tuple[str, str | None]:
     return last, why_not(last)
 
 
+def _gather(text: str) -> list[str] | None:
+    """Every rank's text, in rank order, on rank 0 (None on the others): one message from each rank."""
+    rank, size = world()
+    if rank != 0:
+        distributed.send_text(text, 0)
+        return None
+    return [text] + [distributed.recv_text(r) for r in range(1, size)]
+
+
+def _verdict(found: str | None) -> None:
+    """Rank 0's verdict, on every rank: a refusal ends them all (rank 0 says it, the others end quietly)."""
+    rank, _ = world()
+    if found is not None:
+        raise (QuantizeError if rank == 0 else distributed.Refused)(found)
+
+
 def memory_terms(mine: Reading, asked: str) -> str:
     """The offload every rank runs under, from every rank's reading; raises (the same refusal on every rank:
     rank 0 says it, distributed.Refused on the others) when some rank cannot run any."""
-    rank, size = world()
+    _, size = world()
     if size == 1:
         offload, refusal = decide([mine], asked)
     else:
-        if rank != 0:
-            distributed.send_text(json.dumps(mine.to_dict()), 0)
-        readings = [mine] + [Reading.from_dict(json.loads(distributed.recv_text(r))) for r in range(1, size)] \
-            if rank == 0 else None
-        verdict = json.dumps(decide(readings, asked)) if rank == 0 else None
+        texts = _gather(json.dumps(mine.to_dict()))
+        verdict = json.dumps(decide([Reading.from_dict(json.loads(t)) for t in texts], asked)) if texts else None
         offload, refusal = json.loads(distributed.broadcast_text(verdict))
-    if refusal is not None:
-        raise (QuantizeError if rank == 0 else distributed.Refused)(refusal)
+    _verdict(refusal)
     return offload
 
 
@@ -135,17 +147,8 @@ def run_terms(values: dict | None) -> dict:
 def check_all(problem: str | None) -> None:
     """Every rank's own check, then one verdict for all: the first problem of any rank ends every rank (rank 0
     says it), so that no rank goes on alone into a message that the others never send."""
-    rank, size = world()
-    if size == 1:
-        found = problem
-    else:
-        if rank != 0:
-            distributed.send_text(problem or "", 0)
-        found = problem if rank == 0 else None
-        if rank == 0:
-            for r in range(1, size):
-                got = distributed.recv_text(r)  # from every rank, whatever came before: each one sent
-                found = found or got or None
-        found = distributed.broadcast_text(found or "") or None
-    if found is not None:
-        raise (QuantizeError if rank == 0 else distributed.Refused)(found)
+    _, size = world()
+    if size > 1:
+        texts = _gather(problem or "")
+        problem = distributed.broadcast_text(next((t for t in texts if t), "") if texts else None) or None
+    _verdict(problem)

@@ -203,7 +203,6 @@ class LayerwiseQuantizer:
         self.results: dict[str, list[torch.Tensor]] = {}
         self.stats = Stats()
         self.start, self.stop = start, work_stop(plan) if stop is None else stop
-        self.next_layer = start
         tokens = sum(s.numel() for s in samples)
         # the ranks' agreed account (Calibrated, run_rank), or this rank's own choice when it runs alone
         self.account = offload if isinstance(offload, memory.Account) else \
@@ -292,7 +291,6 @@ class LayerwiseQuantizer:
                 with self._cond:
                     self._published = i + 1
                     self._cond.notify_all()
-                self.next_layer = i + 1
                 self._after_layer(i)
 
     def _loop(self) -> None:

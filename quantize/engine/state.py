@@ -68,6 +68,12 @@ class State:
                                                    "done": dict(self.done)})
 
     def mark(self, unit: str, **info) -> None:
+        self.mark_all({unit: info})
+
+    def mark_all(self, units: dict[str, dict]) -> None:
+        """Record finished units, one save for all of them."""
+        if not units:
+            return
         with self._lock:
-            self.done[unit] = info
+            self.done.update(units)
         self.save()

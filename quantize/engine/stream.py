@@ -224,6 +224,11 @@ class _Output:
         self.partial = prepare(self.out, resume, overwrite)
         self.state = State.open(self.partial, plan_fingerprint(plan), resume)
         self.names = plan.shard_names
+        self.todo: list[int] = []
+
+    def find_todo(self) -> None:
+        """The shards still to write: those not recorded, or whose bytes are no longer the recorded ones (each
+        finished shard is hashed once here: a Kimi-sized output is minutes of reading)."""
         self.todo = [i for i, n in enumerate(self.names) if not _still_good(self.partial / n, self.state.done.get(n))]
 
     @property
@@ -309,8 +314,8 @@ def _run(plan, out, device, workers, resume, overwrite, source_info, progress, c
     outputs = [main] + ([second] if second else [])
     if resume:  # shards other ranks finished before the run stopped
         _fold_receipts(outputs)
-        for o in outputs:
-            o.todo = [i for i, n in enumerate(o.names) if not _still_good(o.partial / n, o.state.done.get(n))]
+    for o in outputs:
+        o.find_todo()
     todo = sorted(set().union(*(o.todo for o in outputs)))
     for o in outputs:
         free = shutil.disk_usage(o.partial).free
@@ -377,10 +382,12 @@ def _mark(outputs: list[_Output], i: int, pair: tuple) -> None:
 
 
 def _fold_receipts(outputs: list[_Output]) -> None:
-    """Mark the shards other ranks wrote (engine/writers.py's receipts) in each output's state."""
+    """Mark the shards other ranks wrote (engine/writers.py's receipts) in each output's state, saved once."""
     index = {n: i for i, n in enumerate(outputs[0].names)}
-    for name, written in writers.read_receipts(outputs[0].partial).items():
-        _mark(outputs, index[name], tuple(tuple(w) if w is not None else None for w in written))
+    receipts = writers.read_receipts(outputs[0].partial)
+    for k, o in enumerate(outputs):
+        o.state.mark_all({o.names[index[name]]: dict(zip(("size", "sha256", "tensors"), written[k], strict=True))
+                          for name, written in receipts.items() if k < len(written) and written[k] is not None})
 
 
 def _write_calibrated(plan: Plan, outputs: list[_Output], calibrated, dev: torch.device, advance) -> None:

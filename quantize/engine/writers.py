@@ -61,6 +61,7 @@ def run(plan: Plan, prefill: Plan | None, partials: list[Path], todo: list[list[
     for i in shards:
         by_stream[plan.stream_of(i)].append(i)
     names = plan.shard_names
+    pending = [set(t) for t in todo]
     stats: dict[int, dict] = {}
     errors: list[BaseException] = []
 
@@ -77,7 +78,7 @@ def run(plan: Plan, prefill: Plan | None, partials: list[Path], todo: list[list[
         try:
             with devices.pool(1) as pool:  # the next tensor is read and packed while this one is written
                 for i in mine:
-                    paths = tuple(p / names[i] if i in set(t) else None for p, t in zip(partials, todo, strict=False))
+                    paths = tuple(p / names[i] if i in t else None for p, t in zip(partials, pending, strict=True))
                     paths = paths + (None,) * (2 - len(paths))
                     written = stream.write_shard_pair(plan, prefill, i, paths, device, advance, pool, depth=2,
                                                       calibrated=produce)
