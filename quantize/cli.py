@@ -1,8 +1,6 @@
 """The `quantize` command line: parse, call the library, render. No logic of its own."""
 
-import dataclasses
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -24,7 +22,7 @@ from rich.text import Text
 
 from quantize import __version__, hub
 from quantize import recipe as recipes
-from quantize.destination import check_apart, hold, prepare_check
+from quantize.convert import load_recipe, resolve_device
 from quantize.errors import QuantizeError
 from quantize.machine import cores
 from quantize.plan import size_label  # plan.py imports no torch: --help and usage errors stay fast
@@ -70,13 +68,6 @@ def fail(e: QuantizeError) -> None:
 
 
 
-def _device_peak(dev: str) -> int | None:
-    """The GPU memory this process held at most (torch's allocator), to set against the account; None on CPU."""
-    import torch
-
-    return torch.cuda.max_memory_allocated(dev) if dev.startswith("cuda") else None
-
-
 def _group_up() -> bool:
     """Whether this process is in a process group (imports torch only if it was imported already)."""
     torch = sys.modules.get("torch")
@@ -87,39 +78,6 @@ def _refused(e: QuantizeError) -> bool:
     """A refusal every rank agreed on (distributed.Refused), without importing torch for a plain error."""
     dist = sys.modules.get("quantize.engine.distributed")
     return dist is not None and isinstance(e, dist.Refused)
-
-
-def _launcher_rank() -> int:
-    """This process's rank under torchrun (RANK with WORLD_SIZE > 1), else 0; read without importing torch."""
-    return int(os.environ.get("RANK", 0)) if int(os.environ.get("WORLD_SIZE", 1)) > 1 else 0
-
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise QuantizeError(f"--device {device}: no CUDA device is visible; use --device cpu")
-    return device
-
-
-def load_recipe(recipe_path: str | None, scheme: str | None, group_size: int, method: str):
-    """The recipe of --recipe (an explicit --group-size overrides its INT4 group size) or of --scheme."""
-    if recipe_path and scheme:
-        raise click.UsageError("give --recipe or --scheme, not both")
-    if not recipe_path:
-        return recipes.preset(scheme or "w4a16", group_size, method)
-    r = recipes.load(Path(recipe_path))
-    source = click.get_current_context().get_parameter_source("group_size")
-    given = source not in (None, click.core.ParameterSource.DEFAULT)
-    if not given or r.scheme.group_size == group_size:
-        return r
-    s = r.scheme
-    if s.fp4 or s.fp8_block or s.w4afp8 or s.type != "int":
-        raise click.UsageError(f"--group-size {group_size}: {recipe_path}'s scheme fixes its own group size "
-                               f"({s.group_size or 'blocks'}); --group-size overrides only an INT4 W4A16 recipe's")
-    return dataclasses.replace(r, scheme=dataclasses.replace(s, group_size=group_size))
 
 
 COMPUTE_DTYPE_OPTION = click.option(
@@ -169,57 +127,6 @@ def main() -> None:
     (or an output another live job holds: it is named), 130 interrupted (Ctrl-C; a conversion keeps its
     finished shards: --resume continues).
     """
-
-
-def _samples(folder: Path, r, trust_remote_code: bool):
-    from quantize import calib
-
-    c = r.calibration
-    return calib.load_samples(c.data, calib.load_tokenizer(folder, trust_remote_code), c.num_samples, c.seq_len, c.seed)
-
-
-def _torchrun_rank(src: str, r, dev: str, offload: str, allow_nonfinite: bool, max_shard_size: int, r2) -> None:
-    """A rank > 0 under torchrun: the same plan as rank 0, rank 0's samples and terms, then its share of each
-    layer and its own shards."""
-    import torch
-
-    from quantize.engine.layerwise import rank_job, run_rank
-
-    folder, _ = hub.resolve(src)
-    run_rank(rank_job(folder, r, [dev], offload, allow_nonfinite, max_shard_size=max_shard_size, prefill_recipe=r2),
-             torch.device(dev))
-
-
-def _calibration(plan, folder: Path, r, dev: str, offload: str, trust_remote_code: bool, bar: Progress,
-                 devices: list[str], compute_dtype: str, launch=None, r2=None):
-    """The layerwise engine hook for stream.run, with a progress task per layer."""
-    import torch
-
-    from quantize import compute
-    from quantize.engine.layerwise import Calibrated
-
-    c = r.calibration
-    samples = _samples(folder, r, trust_remote_code)
-    err.print(f"calibration: {len(samples)} samples, {sum(s.numel() for s in samples)} tokens from {c.data} (seed {c.seed})",
-              highlight=False)
-    layers = bar.add_task("layers", total=plan.model.num_hidden_layers)
-    experts = bar.add_task("experts", total=plan.model.n_routed_experts or 1, visible=False)
-
-    def on_layer(report, total):
-        fb = f", {len(report.fallbacks)} fallback(s)" if report.fallbacks else ""
-        ex = f", {report.experts_calibrated} experts" if report.experts_calibrated else ""
-        bar.update(layers, advance=1, description=f"layer {report.layer}: {report.modules} modules{ex}{fb}")
-
-    if len(devices) > 1:
-        err.print(f"ranks: {', '.join(devices)} (calibration samples and routed experts split across them)", highlight=False)
-    def on_expert(e, total):
-        bar.update(experts, completed=e + 1, total=total, visible=True, description=f"expert {e + 1}/{total}")
-
-    calibrated = Calibrated(plan, samples, torch.device(dev), offload, on_layer=on_layer, devices=devices,
-                            on_expert=on_expert, compute_dtype=compute_dtype, launch=launch, prefill_recipe=r2)
-    err.print(f"layer forwards in {compute.describe(plan.ckpt.dtype, calibrated.compute, dev)}", highlight=False)
-    err.print(f"memory: {calibrated.account.line()}", highlight=False)
-    return calibrated
 
 
 def _serving_table(rows, title: str = "serving (read from the engines' loaders)") -> None:
@@ -281,10 +188,12 @@ def download(src: str, as_json: bool) -> None:
 @click.argument("src")
 @click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False), help="Recipe YAML (see recipes/).")
 @SCHEME_OPTION
-@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True)
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]), help="Columns per scale: the --scheme's [128], "
+              "or overriding an INT4 --recipe's.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON on stdout.")
-def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: str, max_shard_size: int, as_json: bool) -> None:
+def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: str | None, max_shard_size: int,
+            as_json: bool) -> None:
     """Describe SRC: architecture, parameters by kind, source format, bytes on disk, what the recipe would
     quantize and the output size it would give. Reads headers only.
 
@@ -293,7 +202,7 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
       quantize inspect fixtures/kimi-k2-fp8 --recipe recipes/kimi-k2-w4a16.yaml
     """
     try:
-        r = load_recipe(recipe_path, scheme, int(group_size), "rtn")
+        r = load_recipe(recipe_path, scheme, int(group_size) if group_size else None, "rtn")
         folder, _ = hub.resolve(src)
         from quantize import tensor_plan
         from quantize.checkpoint import Checkpoint
@@ -338,8 +247,8 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
 @click.argument("out_dir", metavar="OUT", type=click.Path(file_okay=False))
 @click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False), help="Recipe YAML (see recipes/).")
 @SCHEME_OPTION
-@click.option("--group-size", type=click.Choice(["32", "64", "128"]), default="128", show_default=True,
-              help="Columns per scale: the --scheme's, or overriding an INT4 --recipe's.")
+@click.option("--group-size", type=click.Choice(["32", "64", "128"]),
+              help="Columns per scale: the --scheme's [128], or overriding an INT4 --recipe's.")
 @click.option("--method", type=click.Choice(["rtn", "gptq", "awq"]), help="Overrides the recipe's method (default rtn).")
 @click.option("--calib", help="Calibration data: .jsonl/.txt/.parquet file or Hub dataset org/name[:split]. gptq and "
               "awq need it; with rtn it chooses each group's scale by the inputs' E[x^2] (one forward per layer).")
@@ -385,10 +294,7 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
               help="Recipe of the --prefill-out variant [FP8 blocks on every Linear but lm_head].")
 @VERBOSE_OPTION
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
-def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_samples, seq_len, seed,
-            calibrate_all_experts, min_expert_tokens, scales, offload, trust_remote_code, device, compute_dtype, devices,
-            rank_timeout, max_shard_size, workers, tp, overwrite, resume, allow_nonfinite, kv_cache, prefill_out,
-            prefill_recipe, verbose, as_json):
+def convert(src, out_dir, devices, group_size, as_json, **options):
     """Convert SRC to INT4 W4A16 (compressed-tensors pack-quantized) in OUT, or W4AFP8 (--scheme w4afp8: the
     same weights, FP8 activations on Hopper), FP8 blocks (--scheme fp8-block, compressed-tensors FP8_BLOCK), FP4
     (--scheme nvfp4a16 | nvfp4 | mxfp4a16), or INT4 and FP8 blocks at once (--prefill-out: FP8 for prefill servers).
@@ -415,210 +321,90 @@ def convert(src, out_dir, recipe_path, scheme, group_size, method, calib, num_sa
       quantize convert zai-org/GLM-4.6 out/glm-int4 --recipe recipes/glm-w4a16.yaml --resume
       quantize convert zai-org/GLM-5 out/glm5-int4 --recipe recipes/glm-w4a16.yaml --prefill-out out/glm5-fp8
     """
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # 14 GiB blocks churn each layer
-    calibrated, ok, distributed, launch, holds, code = None, False, None, None, [], 1
-    device_list = [d.strip() for d in devices.split(",")] if devices else []
+    from quantize import convert as library
+
+    o = library.Options(**options, group_size=int(group_size) if group_size else None,
+                        devices=[d.strip() for d in devices.split(",")] if devices else [])
+    code, result, said = 1, None, None
     try:
-        if device_list:
-            device = device_list[0]
-        r = load_recipe(recipe_path, scheme, int(group_size), method or "rtn")
-        overrides = {k: v for k, v in dict(data=calib, num_samples=num_samples, seq_len=seq_len, seed=seed,
-                                           calibrate_all_experts=calibrate_all_experts,
-                                           min_expert_tokens=min_expert_tokens).items() if v is not None}
-        r = recipes.with_overrides(r, f"{recipe_path or 'the preset'} with the command line's options", method,
-                                   overrides, kv_cache, scales)
-        if r.method != "rtn" and not r.calibration.data:
-            raise click.UsageError(f"--method {r.method} needs calibration data: --calib FILE or the recipe's calibration.data")
-        local = hub.check_local(src)  # a missing path fails here, before torch is imported
-        out_path = Path(out_dir)
-        outputs = {"OUT": out_path} | ({"--prefill-out": Path(prefill_out)} if prefill_out else {})
-        writes = _launcher_rank() == 0  # under torchrun, rank 0 holds and writes the outputs for every rank
-        if writes:
-            for o in outputs.values():
-                prepare_check(o, resume, overwrite)  # a held output is refused here, whatever the flags
-            if local is not None:  # held from now until the rename; the source first, as the lock file goes beside OUT
-                check_apart(local, outputs)
-                for o in outputs.values():
-                    holds.append(hold(o))
-        from quantize import quiet, tensor_plan
-        from quantize.checkpoint import Checkpoint
-        from quantize.engine import devices as rank_devices
-        from quantize.engine import distributed, stream
-
-        torchrun = distributed.launched_by_torchrun()
-        if device_list:
-            rank_devices.check_devices(device_list, rank_devices.visible_gpus())
-        dev = (rank_devices.torchrun_device(device, os.environ, rank_devices.visible_gpus()) if torchrun
-               else rank_devices.explicit(resolve_device(device)))
-        rank_devices.bind(dev)  # this process's device, in this thread and every thread the engine starts
-        if (device_list or torchrun) and r.method != "gptq":
-            raise click.UsageError("several ranks (--devices or torchrun) serve --method gptq")
-        ranks = int(os.environ.get("WORLD_SIZE", 1)) if distributed.launched_by_torchrun() else len(device_list)
-        if ranks > distributed.GROUPS:
-            raise click.UsageError(f"{ranks} ranks: at most {distributed.GROUPS} share a conversion (the work is "
-                                   f"split in {distributed.GROUPS} fixed groups); use fewer devices")
-        r2 = None
-        if prefill_out:
-            r2 = recipes.load(Path(prefill_recipe)) if prefill_recipe else r.fp8_block_variant()
-            if r2.calibrated:
-                raise click.UsageError("--prefill-recipe: the second output is written in the same pass, data-free; "
-                                       "give it method rtn")
-        if torchrun and distributed.init_torchrun(dev, rank_timeout * 60) != 0:
-            _torchrun_rank(src, r, dev, offload, allow_nonfinite, max_shard_size, r2)
-            ok = True
-            return
-        folder, info = hub.resolve(src)
-        check_apart(folder, outputs)
-        if writes and not holds:
-            for o in outputs.values():
-                holds.append(hold(o))
-                prepare_check(o, resume, overwrite)  # again: the download took time
-        if len(device_list) > 1:  # the other ranks start now: their imports overlap the planning below
-            from quantize.engine.layerwise import rank_job, run_rank
-
-            launch = distributed.Launch(rank_job(folder, r, device_list, offload, allow_nonfinite, rank_timeout * 60,
-                                                 max_shard_size=max_shard_size, prefill_recipe=r2), run_rank)
-        ckpt = Checkpoint(folder, allow_nonfinite)
-        plan = tensor_plan.build(ckpt, r, max_shard_size, tp=tp, workers=workers, device=dev)
-        prefill = None
-        if prefill_out:
-            plan, plan2 = tensor_plan.pair(plan, tensor_plan.build(ckpt, r2, max_shard_size, tp=tp, workers=workers,
-                                                                   device=dev), max_shard_size)
-            prefill = (plan2, Path(prefill_out))
-        if not recipe_path and not scheme:
-            err.print("no --recipe or --scheme: every Linear but lm_head becomes w4a16 g128 (as --scheme w4a16 "
-                      "--group-size 128); release recipes are in recipes/", highlight=False)
-        for p in [plan] + ([prefill[0]] if prefill else []):
-            for w in p.warnings:
-                err.print(f"[yellow]warning:[/] {w}", highlight=False)
-            pr = p.recipe
-            err.print(
-                f"{p.model.arch.family} ({p.model.model_type}) {p.ckpt.format.kind} -> {pr.scheme.label} {pr.method}: "
-                f"{p.counts().get('quantize', 0) + p.counts().get('passthrough', 0)} Linear weights to "
-                f"{'FP8' if pr.scheme.fp8_block else 'FP4' if pr.scheme.fp4 else 'INT4'}, "
-                f"{len(p.shards)} output shard(s); serves at TP {', '.join(map(str, p.tp_served)) or 'none'}",
-                highlight=False,
-            )
-        with Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), BytesOnly(DownloadColumn()),
-            BytesOnly(TransferSpeedColumn()), TimeRemainingColumn(), console=err, transient=as_json,
-        ) as bar, quiet.libraries(verbose or not r.calibrated):  # rtn loads no transformers model
-            task = bar.add_task("converting", total=plan.src_bytes, bytes=True)
-            if r.calibrated:
-                calibrated = _calibration(plan, folder, r, dev, offload, trust_remote_code, bar, device_list,
-                                          compute_dtype, launch, r2)
-            result = stream.run(
-                plan, out_path, device=dev, workers=workers, resume=resume, overwrite=overwrite, source_info=info,
-                progress=lambda done, total: bar.update(task, completed=done, total=total), calibrated=calibrated,
-                prefill=prefill,
-            )
-        ok = True
-    except QuantizeError as e:
-        if not _refused(e):  # a refusal all ranks agreed on is rank 0's to say
-            err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        with _progress(as_json) as bar:
+            result = library.convert(src, out_dir, o, _events(bar))
+        code = 0
+    except QuantizeError as e:  # printed once the bars are gone: the error is the last line
+        said = None if _refused(e) else f"[bold red]error:[/] {e}"  # an agreed refusal is rank 0's to say
         code = e.exit_code
-    except click.UsageError as e:
+    except KeyboardInterrupt:
+        said, code = f"interrupted; finished shards are kept: rerun with --resume to continue {out_dir}", 130
+    except Exception:
         if not _group_up():
             raise
-        err.print(f"[bold red]error:[/] {e.format_message()}", highlight=False, soft_wrap=True)
-        code = 2
-    except KeyboardInterrupt:
-        err.print(f"interrupted; finished shards are kept: rerun with --resume to continue {out_dir}")
-        code = 130
-    except Exception:
-        died = launch.dead() if launch is not None else None
-        if died is None:
-            if not _group_up():
-                raise
-            err.print_exception()
-            code = 1
-        else:  # gloo's error for a dead peer's connection: the rank and the layer instead
-            err.print(f"[bold red]error:[/] {died}", highlight=False, soft_wrap=True)
-            code = 1
-    finally:
-        if calibrated is not None:
-            calibrated.close(ok)
-        elif launch is not None:
-            launch.close()
-        if distributed is not None and distributed.launched_by_torchrun():
-            distributed.leave(ok)
-        for h in holds:
-            h.release()
-    if not ok:
+        err.print_exception()
+    if said:
+        err.print(said, highlight=False, soft_wrap=True)
+    if code:
         if _group_up():  # the group's destructor may wait on NCCL work a failed peer never completes
-            from quantize.engine import distributed as dist_
+            from quantize.engine import distributed
 
-            dist_.exit_now(code)
+            distributed.exit_now(code)
         sys.exit(code)
-    report = {
-        "out": str(result.out),
-        "seconds": round(result.seconds, 3),
-        "source_bytes": result.src_bytes,
-        "output_bytes": result.out_bytes,
-        "gb_per_s": round(result.gb_per_s, 4),
-        "shards": result.shards,
-        "resumed_shards": result.resumed_shards,
-        "device": result.device,
-        "workers": result.workers,
-        "tensors": result.counts,
-        "tp_served": result.tp_served,
-        "warnings": result.warnings,
-    }
-    if result.prefill:
-        report["prefill"] = result.prefill
-    from quantize import serving
+    if result is not None:  # None: a torchrun rank > 0, whose work rank 0 reports
+        _convert_report(result, as_json)
 
-    matrices = {str(result.out): serving.matrix_of(result.out)}
-    if result.prefill:
-        matrices[result.prefill["out"]] = serving.matrix_of(result.prefill["out"])
-    report["serving"] = {k: [r.to_dict() for r in v] for k, v in matrices.items()}
-    stats = calibrated.quantizer.stats if calibrated is not None and calibrated.quantizer is not None else None
-    if stats is not None:
-        report["calibration"] = {
-            "compute_dtype": str(calibrated.compute).removeprefix("torch."),
-            "cpu_capability": calibrated.cpu_capability,
-            "offload": stats.offload,
-            "samples": r.calibration.num_samples, "seq_len": r.calibration.seq_len, "seed": r.calibration.seed,
-            # what chose each group's scale: min/max, the Hessian's diagonal blocks, the inputs' E[x^2] (rtn), AWQ
-            "scales": {"gptq": r.gptq.scales, "rtn": "inputs-x2", "awq": "awq"}[r.method],
-            **({"gptq": {"scales": r.gptq.scales, "dampening": r.gptq.dampening,
-                         "dampening_frac": r.gptq.dampening_frac}} if r.method == "gptq" else {}),
-            "memory": {"device": calibrated.account.device, "layer": calibrated.account.layer,
-                       "bytes": calibrated.account.total, "free": calibrated.account.free,
-                       "parts": calibrated.account.parts, "peak": _device_peak(dev)},
-            "layers": len(stats.layers),
-            "resumed_layers": stats.resumed_layers,
-            "seconds_per_layer": [round(x.seconds, 3) for x in stats.layers],
-            "seconds_per_phase": [{k: round(v, 3) for k, v in x.phases.items()} for x in stats.layers],
-            "experts_calibrated": sum(x.experts_calibrated for x in stats.layers),
-            # each rank's seconds per phase, its loop's waits and its writers' (an idle GPU shows as a number)
-            "ranks": stats.ranks,
-            "fallbacks": [f for x in stats.layers for f in x.fallbacks],
-            "mean_relative_weight_error": stats.mean_error(),
-            "tokens_per_expert": {x.layer: x.tokens_per_expert for x in stats.layers if x.tokens_per_expert},
-            "kv_scales": {x.layer: x.kv_scale for x in stats.layers if x.kv_scale},
-        }
+
+def _progress(as_json: bool) -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(), BytesOnly(DownloadColumn()),
+                    BytesOnly(TransferSpeedColumn()), TimeRemainingColumn(), console=err, transient=as_json)
+
+
+def _events(bar: Progress):
+    """The library's events as lines on stderr and the progress bars (each task made when its work starts)."""
+    from quantize.convert import Events
+
+    tasks: dict[str, int] = {}
+
+    def task(name: str, total: int, **fields) -> int:
+        if name not in tasks:
+            tasks[name] = bar.add_task(name, total=total, **fields)
+        return tasks[name]
+
+    def layer(report, total):
+        fb = f", {len(report.fallbacks)} fallback(s)" if report.fallbacks else ""
+        ex = f", {report.experts_calibrated} experts" if report.experts_calibrated else ""
+        bar.update(task("layers", total), advance=1, description=f"layer {report.layer}: {report.modules} modules{ex}{fb}")
+
+    def expert(e, total):
+        bar.update(task("experts", total), completed=e + 1, total=total, description=f"expert {e + 1}/{total}")
+
+    return Events(status=lambda msg: err.print(msg, highlight=False),
+                  warning=lambda w: err.print(f"[yellow]warning:[/] {w}", highlight=False),
+                  converted=lambda done, total: bar.update(task("converting", total, bytes=True), completed=done,
+                                                           total=total),
+                  layer=layer, expert=expert)
+
+
+def _convert_report(result, as_json: bool) -> None:
+    report, res = result.report, result.stream
     if as_json:
         out.print_json(json.dumps(report))
         return
-    if stats is not None:
-        _calibration_table(stats, report["calibration"]["compute_dtype"])
-    t = Table(title=f"converted to {result.out}", title_justify="left")
+    if result.stats is not None:
+        _calibration_table(result.stats, report["calibration"]["compute_dtype"])
+    t = Table(title=f"converted to {res.out}", title_justify="left")
     for col in ("tensors", "count"):
         t.add_column(col)
-    for action, n in sorted(result.counts.items()):
+    for action, n in sorted(res.counts.items()):
         t.add_row(action, str(n))
     out.print(t)
     out.print(
-        f"{size_label(plan.src_bytes)} -> {size_label(result.out_bytes)} in {result.shards} shard(s)"
-        f"{f' ({result.resumed_shards} resumed)' if result.resumed_shards else ''}, {result.seconds:.1f} s, "
-        f"{result.gb_per_s:.2f} GB/s on {result.device}; serves at TP {', '.join(map(str, result.tp_served)) or 'none'}",
+        f"{size_label(result.src_bytes)} -> {size_label(res.out_bytes)} in {res.shards} shard(s)"
+        f"{f' ({res.resumed_shards} resumed)' if res.resumed_shards else ''}, {res.seconds:.1f} s, "
+        f"{res.gb_per_s:.2f} GB/s on {res.device}; serves at TP {', '.join(map(str, res.tp_served)) or 'none'}",
         highlight=False,
     )
-    for where, rows in matrices.items():
+    for where, rows in result.serving.items():
         _serving_table(rows, f"serving {where} (read from the engines' loaders)")
-    if result.prefill:
-        pf = result.prefill
+    if res.prefill:
+        pf = res.prefill
         out.print(f"prefill variant ({pf['scheme']}): {pf['out']}, {size_label(pf['output_bytes'])}, same pass; serves at TP "
                   f"{', '.join(map(str, pf['tp_served'])) or 'none'}", highlight=False)
 
@@ -901,8 +687,7 @@ def _gate_table(run) -> None:
 @PPL_TEXT_OPTION
 @INCONCLUSIVE_OPTION
 @VERBOSE_OPTION
-@click.pass_context
-def release(ctx, src, recipe_path, repo_id, gate_path, tasks, backend, eval_tp, device, calib, data_dir, limit, gpus,
+def release(src, recipe_path, repo_id, gate_path, tasks, backend, eval_tp, device, calib, data_dir, limit, gpus,
             gpu, private, revision_tag, dry_run, work_dir, max_shard_size, ppl_text, allow_inconclusive, verbose):
     """Release SRC as a gated, documented Hub checkpoint: convert (resumable), verify, plan, eval gate against
     SRC, model card, upload. Only a release that passed every step is uploaded.
@@ -924,15 +709,6 @@ def release(ctx, src, recipe_path, repo_id, gate_path, tasks, backend, eval_tp, 
     from quantize import plan
     from quantize import release as rel
 
-    def convert_into(out_dir: Path, resume: bool) -> None:
-        try:
-            ctx.invoke(convert, src=src, out_dir=str(out_dir), recipe_path=recipe_path, calib=calib,
-                       device=resolve_device(device), resume=resume, overwrite=not resume, max_shard_size=max_shard_size,
-                       verbose=verbose)
-        except SystemExit as e:  # convert reported its own error
-            if e.code:
-                raise QuantizeError(f"convert failed (exit {e.code}); rerun the release to resume it") from None
-
     try:
         opts = rel.Options(
             src=src, recipe_path=Path(recipe_path), repo_id=repo_id,
@@ -944,7 +720,9 @@ def release(ctx, src, recipe_path, repo_id, gate_path, tasks, backend, eval_tp, 
             allow_inconclusive=allow_inconclusive)
     except QuantizeError as e:
         fail(e)
-    report, files = rel.run(opts, convert_into, status=lambda msg: err.print(msg, highlight=False), on_gate=_gate_table)
+    with _progress(False) as bar:
+        report, files = rel.run(opts, _events(bar), status=lambda msg: err.print(msg, highlight=False),
+                                on_gate=_gate_table, on_convert=lambda result: _convert_report(result, False))
     if report.error:
         err.print(f"[bold red]error:[/] {report.error}", highlight=False, soft_wrap=True)
     if report.exit_code == rel.EXIT_RELEASED and dry_run:

@@ -278,11 +278,13 @@ class Options:
     allow_inconclusive: bool = False
 
 
-def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) -> tuple[Report, list[dict]]:
+def run(o: Options, events=None, status=lambda msg: None, on_gate=lambda run: None,
+        on_convert=lambda result: None) -> tuple[Report, list[dict]]:
     """Every step in order; returns the report (its exit_code set) and the files committed or, in a dry run,
-    that would be. `convert(out, resume)` converts SRC into `out` (the CLI's convert command, with its
-    progress bars). Nothing is uploaded unless every earlier step passed; the report is written in all cases."""
-    from quantize import gate, hub, plan, serving, tensor_plan
+    that would be. The conversion is the library's (quantize/convert.py), shown through `events` and then
+    `on_convert(its Result)`. Nothing is uploaded unless every earlier step passed; the report is written in all
+    cases."""
+    from quantize import convert, gate, hub, plan, serving, tensor_plan
     from quantize import recipe as recipes
     from quantize.checkpoint import Checkpoint
     from quantize.destination import Overlap, check_apart, partial_dir
@@ -323,7 +325,14 @@ def run(o: Options, convert, status=lambda msg: None, on_gate=lambda run: None) 
             step.done("reused", out=str(model_dir))
         else:
             resume = partial_dir(model_dir).is_dir()
-            convert(model_dir, resume)
+            try:
+                converted = convert.convert(o.src, model_dir, convert.Options(
+                    recipe_path=str(o.recipe_path), calib=o.calib, device=o.device, resume=resume,
+                    overwrite=not resume, max_shard_size=o.max_shard_size, verbose=o.verbose), events)
+            except QuantizeError as e:  # the same error (its type decides the exit), with the way on
+                e.args = (f"convert: {e.args[0] if e.args else e}; rerun the release to resume it", *e.args[1:])
+                raise
+            on_convert(converted)
             step.done("resumed" if resume else "done", out=str(model_dir))
 
         step = Timer(report, "verify")

@@ -7,9 +7,16 @@
     python scripts/bench.py scale [--layers 12 --hidden 2048 --inter 5632] [--work DIR] [--json FILE]
     python scripts/bench.py moe-layer [--experts 384 --hidden 7168 --moe-inter 2048] [--device cuda] [--json FILE]
     python scripts/bench.py moe-ranks [--experts 128 --hidden 512 --moe-inter 512] [--old REV] [--json FILE]
+    python scripts/bench.py awq-moe [--moe-layers 8] [--ranks 2,3] [--old REV] [--hidden 2048 --moe-inter 1280] [--json FILE]
     python scripts/bench.py gptq --dither 0.25 --seeds 0,1,2,3 --scales minmax,hessian --rtn-samples 32
     python scripts/bench.py experts [--tokens 64,192,576,2304] [--dampings 0.01,0.03,0.1,0.3] [--json FILE]
     python scripts/bench.py search-cost [--stack 2 --hidden 7168 --moe-inter 2048] [--device cpu|cuda] [--json FILE]
+
+`awq-moe`: AWQ and GPTQ of a synthetic DeepSeek-V3-architecture checkpoint (128 experts a layer, top-8, the
+Kimi recipe): wall time and peak RSS of each on one rank, AWQ pinned to one core (`taskset`) and on 2 and 3 gloo
+ranks, every AWQ output's bytes against the one-rank one, and with `--old` the AWQ of that revision beside. A
+larger --hidden / --moe-inter (2048 x 1280: 1.88 GiB of bf16 experts a layer) measures peak RSS against one
+layer's experts.
 
 `gptq` / `awq`: SmolLM2-135M-Instruct (rebuilt by ../shared/scripts/build_smollm2.py) quantized W4A16 group 64
 symmetric by our RTN, our layerwise GPTQ (or AWQ) and llm-compressor's `oneshot` + GPTQModifier (or AWQModifier +
@@ -940,6 +947,68 @@ def bench_moe_ranks(args) -> dict:
     return result
 
 
+def bench_awq_moe(args) -> dict:
+    """AWQ against GPTQ on a DeepSeek-V3-architecture MoE (routed experts streamed, split by expert groups): time
+    and peak RSS of GPTQ and AWQ on one rank, AWQ on one rank pinned to one core and on --ranks gloo ranks, the
+    bytes of every AWQ run against the one-rank run, and --old's AWQ (experts built whole) beside."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import make_fixture
+
+    work = Path(args.work).resolve()
+    dims = Dims(hidden=args.hidden, moe_inter=args.moe_inter, inter=2 * args.moe_inter, vocab=make_fixture.VOCAB,
+                heads=args.heads, experts=args.experts)
+    src = work / f"awq-moe-{args.experts}x{args.hidden}x{args.moe_inter}-{args.moe_layers}moe"
+    if not (src / "config.json").exists():
+        synthetic_kimi(src, dims=dims, n_layers=args.moe_layers + 1, n_shards=2)
+        make_fixture.build_tokenizer(src)
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2-w4a16.yaml"
+    data = calibration_text(work).resolve()
+    one_core = ["taskset", "-c", str(min(os.sched_getaffinity(0)))] if shutil.which("taskset") else []
+    runs, outs = {}, {}
+    trees = {"new": Path(__file__).resolve().parents[1], **({"old": _old_tree(args.old, work)} if args.old else {})}
+    plan = [("gptq", "new", "cpu", []), ("awq", "new", "cpu", []), *([("awq", "new", "cpu", one_core)] if one_core else []),
+            *[("awq", "new", ",".join(["cpu"] * n), []) for n in args.ranks], *([("awq", "old", "cpu", [])] if args.old else [])]
+    for method, code, devices, pin in plan:
+        if args.skip_gptq and method == "gptq":
+            continue
+        name = f"{code}_{method}_{devices.count('cpu')}_rank" + ("_1_core" if pin else "")
+        out = work / f"awq-moe-{name.replace('_', '-')}"
+        fresh(out)
+        cmd = ["convert", str(src), str(out), "--recipe", str(recipe), "--method", method, "--calib", str(data),
+               "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--json"]
+        cmd += ["--devices", devices] if "," in devices else ["--device", "cpu"]
+        measured, report, _ = _convert_timed([*pin, sys.executable, "-m", "quantize", *cmd], trees[code])
+        cal = report["calibration"]
+        runs[name] = {**measured, "seconds_per_layer": cal["seconds_per_layer"],
+                      "seconds_per_phase": cal["seconds_per_phase"]}
+        outs[name] = out
+    experts_bytes = args.experts * 3 * args.hidden * args.moe_inter * 2
+    one = runs["new_awq_1_rank"]
+    result = {
+        "checkpoint": {"dims": dataclasses.asdict(dims), "moe_layers": args.moe_layers,
+                       "moe_layer_experts_bytes_bf16": experts_bytes},
+        "calibration": {"num_samples": args.num_samples, "seq_len": args.seq_len},
+        "runs": runs,
+        "awq_peak_rss_over_layer_experts": one["peak_rss"] / experts_bytes,
+        "bytes_vs_one_rank": {n: compare_outputs(outs["new_awq_1_rank"], o) for n, o in outs.items()
+                              if n.startswith("new_awq") and n != "new_awq_1_rank"},
+    }
+    if "new_gptq_1_rank" in runs:
+        result["awq_over_gptq_time"] = one["seconds"] / runs["new_gptq_1_rank"]["seconds"]
+        result["gptq_peak_rss_over_layer_experts"] = runs["new_gptq_1_rank"]["peak_rss"] / experts_bytes
+    for n in args.ranks:
+        r = runs[f"new_awq_{n}_rank"]
+        result[f"awq_{n}_ranks_speedup_vs_one_rank"] = one["seconds"] / r["seconds"]
+        if "new_awq_1_rank_1_core" in runs:
+            result[f"awq_{n}_ranks_speedup_vs_one_rank_one_core"] = runs["new_awq_1_rank_1_core"]["seconds"] / r["seconds"]
+    if args.old:
+        result["old_revision"] = args.old
+        result["old_awq_over_new_awq_time"] = runs["old_awq_1_rank"]["seconds"] / one["seconds"]
+        result["old_awq_peak_rss_over_layer_experts"] = runs["old_awq_1_rank"]["peak_rss"] / experts_bytes
+        result["bytes_new_vs_old"] = compare_outputs(outs["old_awq_1_rank"], outs["new_awq_1_rank"])
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -995,6 +1064,15 @@ def main() -> None:
     m.add_argument("--old-ranks", action="store_true", help="also run --old with 2 ranks")
     m.add_argument("--work", default=".cache/bench")
     m.add_argument("--json", dest="json_out")
+    w = moe_parser("awq-moe", "AWQ vs GPTQ on a MoE: time, RSS, ranks (streamed experts), bytes across ranks", 128,
+                   512, 512, 4, 64, 256)
+    w.add_argument("--moe-layers", type=int, default=8)
+    w.add_argument("--ranks", type=lambda v: [int(x) for x in v.split(",")], default=[2, 3],
+                   help="rank counts to run AWQ with, e.g. 2,3")
+    w.add_argument("--old", help="a git revision whose AWQ to run beside (e.g. the commit before a change)")
+    w.add_argument("--skip-gptq", action="store_true")
+    w.add_argument("--work", default=".cache/bench")
+    w.add_argument("--json", dest="json_out")
     s = sub.add_parser("scale", help="GPTQ time and RSS vs oneshot on a synthetic ~0.6B-parameter Llama")
     s.add_argument("--layers", type=int, default=12)
     s.add_argument("--hidden", type=int, default=2048)
@@ -1025,7 +1103,7 @@ def main() -> None:
     result = {"rtn": bench_rtn, "gptq": bench_calibrated, "awq": bench_calibrated, "depth": bench_depth,
               "experts": bench_experts, "search-cost": bench_search_cost,
               "scale": bench_scale, "moe-layer": bench_moe_layer,
-              "moe-ranks": bench_moe_ranks}[a.what](a)
+              "moe-ranks": bench_moe_ranks, "awq-moe": bench_awq_moe}[a.what](a)
     # figures from one kind of CPU do not carry to another (bf16 GEMMs: ~50x slower on AVX2): say which ran them
     from quantize.compute import cpu_capability
 

@@ -13,6 +13,7 @@ from quantize import calib, recipe
 from quantize.checkpoint import Checkpoint
 from quantize.engine import stream
 from quantize.engine.awq_layer import _apply_scales, _mappings
+from quantize.engine.experts import Deferred
 from quantize.engine.layerwise import Calibrated, LayerwiseQuantizer
 from quantize.quant import awq
 from quantize.tensor_plan import build
@@ -42,6 +43,33 @@ def forward(q: LayerwiseQuantizer, layer, h, pos) -> torch.Tensor:
     return y[0] if isinstance(y, tuple) else y
 
 
+class WholeExperts(torch.nn.ModuleList):
+    """A layer's routed experts built whole, as Linears named as in the checkpoint (`experts.E.gate_proj`), with
+    transformers' forward: the float layer that AWQ's smoothing must leave unchanged (the engine streams them)."""
+
+    def __init__(self, q: LayerwiseQuantizer, i: int, act_fn):
+        super().__init__()
+        prefix = f"{q.model.prefix}model.layers.{i}.mlp.experts."
+        for e in range(q.config.n_routed_experts):
+            m = torch.nn.Module()
+            for leaf in ("gate_proj", "up_proj", "down_proj"):
+                w = q._decode(f"{prefix}{e}.{leaf}.weight").float()
+                lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+                lin.weight.data = w
+                setattr(m, leaf, lin)
+            self.append(m)
+        self.__dict__["act_fn"] = act_fn
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in torch.unique(top_k_index).tolist():
+            token_idx, pos = torch.where(top_k_index == e)
+            m, x = self[e], hidden_states[token_idx]
+            y = m.down_proj(self.act_fn(m.gate_proj(x)) * m.up_proj(x)) * top_k_weights[token_idx, pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+
 @pytest.mark.parametrize("kind", ["llama-bf16", "kimi-k2-fp8", "glm5-bf16", "glm4-moe-bf16"])
 def test_smoothing_every_mapping_leaves_the_float_layer_unchanged(kind, fixtures_dir, tmp_path):
     """Random scales through every mapping the engine finds: a consumer left out (router, indexer) would show."""
@@ -52,9 +80,21 @@ def test_smoothing_every_mapping_leaves_the_float_layer_unchanged(kind, fixtures
     q.dtype = torch.float32
     for i in range(plan.model.num_hidden_layers):
         layer = q._build_layer(i).float()
+        deferred = next((m for m in layer.modules() if isinstance(m, Deferred)), None)
+        streamed = None
+        if deferred is not None:  # the engine's view: the routed experts named, not built
+            moe = q._layer_experts(i, q._layer_targets(i))
+            streamed = _mappings(q, dict(layer.named_modules()), q._layer_targets(i), tuple(moe.linear_names()))
+            layer.mlp.experts = WholeExperts(q, i, deferred.act_fn)
         modules = dict(layer.named_modules())
         mappings = _mappings(q, modules, q._layer_targets(i))
         assert mappings
+        if streamed is not None:  # the same smooth -> balance pairs, experts included, as the whole layer's; each
+            # expert's own up -> down is searched where the expert is (awq_experts.AWQExperts._solve_expert)
+            whole = {sm: set(b) for sm, b in mappings}
+            own = {sm for sm in whole if ".experts." in sm}
+            assert own == {f"mlp.experts.{e}.up_proj" for e in range(plan.model.n_routed_experts)}
+            assert {sm: set(b) for sm, b in streamed} == {sm: b for sm, b in whole.items() if sm not in own}
         h = q.hidden[0].float()
         pos = q.positions[0]
         before = forward(q, layer, h, pos)
@@ -133,3 +173,101 @@ def test_awq_resume_from_a_layer_checkpoint_gives_the_uninterrupted_bytes(fixtur
     for i in range(plan.model.num_hidden_layers):  # MLA: one latent, one scale, measured on every layer
         k, v = out[f"model.layers.{i}.self_attn.k_proj.k_scale"], out[f"model.layers.{i}.self_attn.v_proj.v_scale"]
         assert torch.equal(k, v) and 0 < float(k) <= 1
+
+
+def test_an_experts_share_of_the_norms_loss_is_its_weighted_output_error():
+    """quant/awq.expert_errors against the error written out: the expert with gate and up computing Q(W s) / s,
+    its output times the router's weight, squared and summed; the identity scales give the plain RTN error."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(300, 64, generator=g), torch.rand(300, generator=g)
+    gate, up, down = (torch.randn(*shape, generator=g) * 0.1 for shape in ((96, 64), (96, 64), (64, 96)))
+    act = torch.nn.functional.silu
+    scales = [torch.ones(64), torch.rand(64, generator=g) + 0.5]
+    got = awq.expert_errors(x, w, gate, up, down, act, scales, 32)
+
+    def expert(gw, uw):
+        return (act(x @ gw.t()) * (x @ uw.t())) @ down.t() * w[:, None]
+    for k, s in enumerate(scales):
+        want = (expert(awq.scaled_fake_quant(gate, s, 32, True), awq.scaled_fake_quant(up, s, 32, True))
+                - expert(gate, up)).double().pow(2).sum()
+        assert torch.allclose(got[k], want, rtol=1e-5), (k, got[k], want)
+    left = awq.expert_errors(x, w, gate, up, down, act, scales, 32, quantized=(False, True))
+    assert (left < got).all() and (left > 0).all()  # a gate left float adds no error of its own
+
+
+def test_the_experts_search_rows_are_the_recorders():
+    """awq_experts.sample_rows keeps of each sample's tokens what _AWQRecorder keeps of the same forward."""
+    from quantize.engine.awq_experts import sample_rows
+    from quantize.engine.awq_layer import _AWQRecorder
+
+    lengths = [37, 5, 64, 20]
+    starts = [0, 37, 42, 106]
+    bounds = [(a, a + n) for a, n in zip(starts, lengths, strict=True)]
+    for max_rows in (8, 40, 1000):
+        rec = _AWQRecorder(max_rows, len(lengths))
+        for a, n in zip(starts, lengths, strict=True):
+            rec.pre_hook("x", None, (torch.arange(a, a + n, dtype=torch.float32)[:, None],))
+        kept = torch.cat(rec.rows["x"]).flatten().long()
+        assert torch.equal(sample_rows(bounds, torch.arange(126), max_rows), kept), max_rows
+
+
+def test_awq_streams_the_routed_experts_a_chunk_at_a_time(fixtures_dir, tmp_path, monkeypatch):
+    """Under AWQ a MoE layer's routed experts are never modules of the layer: each is decoded from the source
+    three times a layer (weights, the norm's error, the solve), a chunk at a time."""
+    from collections import Counter
+
+    from quantize.engine import experts as routed
+
+    rec = recipe.load(RECIPES / "kimi-k2-w4a16.yaml")
+    data = calibration_samples(tmp_path)
+    rec = dataclasses.replace(rec, method="awq", calibration=dataclasses.replace(rec.calibration, data=str(data),
+                                                                                 num_samples=4, seq_len=32))
+    src = fixtures_dir / "kimi-k2-fp8"
+    plan = build(Checkpoint(src), rec, 2**20)
+    samples = calib.load_samples(str(data), calib.load_tokenizer(src), 4, 32)
+    decoded, built = Counter(), []
+    source = routed.LayerExperts._source
+
+    def counted(self, e):
+        decoded[(self.prefix, e)] += 1
+        return source(self, e)
+    monkeypatch.setattr(routed.LayerExperts, "_source", counted)
+    build_layer = LayerwiseQuantizer._build_layer
+
+    def record(self, i):
+        layer = build_layer(self, i)
+        built.append([n for n, _ in layer.named_parameters() if ".experts." in n])
+        return layer
+    monkeypatch.setattr(LayerwiseQuantizer, "_build_layer", record)
+    hook = Calibrated(plan, samples, torch.device("cpu"))
+    stream.run(plan, tmp_path / "out", calibrated=hook)
+    n = plan.model.n_routed_experts
+    moe_layers = plan.model.num_hidden_layers - 1
+    assert built and all(not names for names in built)  # no expert weight in any layer built
+    # 3 passes per expert and layer; the routed output reads the results, and the source only for a Linear
+    # without one (none here: every expert Linear is a target)
+    assert len(decoded) == moe_layers * n and set(decoded.values()) == {3}, decoded
+
+
+@pytest.mark.parametrize("kind,ranks", [("kimi-k2-fp8", "cpu,cpu"), ("glm4-moe-bf16", "cpu,cpu,cpu")])
+def test_awq_on_several_ranks_gives_the_bytes_of_one(kind, ranks, fixtures_dir, tmp_path):
+    """AWQ's routed experts split by expert groups over gloo ranks (the norm's error summed per group in group
+    order, each rank smoothing and rounding its own): the bytes of one rank. GLM's recipe also quantizes the
+    shared experts, whose error rank 0 adds to the groups'."""
+    import subprocess
+    import sys
+
+    data = calibration_samples(tmp_path)
+    outs = {}
+    for name, extra in (("one", []), ("several", ["--devices", ranks])):
+        outs[name] = tmp_path / name
+        cmd = [sys.executable, "-m", "quantize", "convert", str(fixtures_dir / kind), str(outs[name]), "--recipe",
+               str(RECIPES / f"{'kimi-k2' if kind.startswith('kimi') else 'glm'}-w4a16.yaml"), "--method", "awq",
+               "--calib", str(data), "--num-samples", "8", "--seq-len", "64", "--max-shard-size", "1MB",
+               "--device", "cpu", *extra]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+    files = sorted(f.name for f in outs["one"].glob("*.safetensors"))
+    assert files and files == sorted(f.name for f in outs["several"].glob("*.safetensors"))
+    for f in files:
+        assert (outs["one"] / f).read_bytes() == (outs["several"] / f).read_bytes(), f

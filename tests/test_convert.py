@@ -12,6 +12,7 @@ from conftest import RECIPES, config_of, dies_on_call, read_all
 
 from quantize import recipe
 from quantize.checkpoint import Checkpoint
+from quantize.engine import shard as engine_shard
 from quantize.engine import stream
 from quantize.errors import UsageError
 from quantize.quant import rtn
@@ -172,7 +173,7 @@ def test_resume_after_a_failure_finishes_with_identical_bytes(fixtures_dir, tmp_
     r = recipe.load(RECIPES / "kimi-k2-w4a16.yaml")
     plan = build(Checkpoint(fixtures_dir / "kimi-k2-fp8"), r, max_shard_size=2**20)
     stream.run(plan, tmp_path / "clean")
-    dies_on_call(monkeypatch, stream, "write_shard_pair", 3, lambda: stream.run(plan, tmp_path / "out"))
+    dies_on_call(monkeypatch, engine_shard, "write_shard_pair", 3, lambda: stream.run(plan, tmp_path / "out"))
     assert not (tmp_path / "out").exists() and (tmp_path / "out.partial" / "state.json").exists()
     with pytest.raises(UsageError, match="--resume"):
         stream.run(plan, tmp_path / "out")

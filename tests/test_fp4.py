@@ -31,14 +31,14 @@ def _weights(shape, dtype, seed):
 def _nvfp4(w: torch.Tensor, gscale: torch.Tensor | None = None) -> list[torch.Tensor]:
     """What convert writes for w (round to nearest, NVFP4A16): weight_packed, weight_scale, weight_global_scale."""
     from quantize import recipe
-    from quantize.engine.stream import rtn_outputs
+    from quantize.engine.shard import rtn_outputs
 
     return rtn_outputs(recipe.preset("nvfp4a16", 128).scheme, w, gscale)
 
 
 def _mxfp4(w: torch.Tensor) -> list[torch.Tensor]:
     from quantize import recipe
-    from quantize.engine.stream import rtn_outputs
+    from quantize.engine.shard import rtn_outputs
 
     return rtn_outputs(recipe.preset("mxfp4a16", 128).scheme, w)
 

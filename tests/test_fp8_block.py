@@ -20,6 +20,7 @@ from quantize import calib, plan, recipe
 from quantize.arch.layout import from_config
 from quantize.checkpoint import Checkpoint
 from quantize.cli import main
+from quantize.engine import shard as engine_shard
 from quantize.engine import stream
 from quantize.engine.layerwise import Calibrated
 from quantize.errors import UsageError
@@ -240,7 +241,7 @@ def test_prefill_pair_beside_gptq_and_resume(fixtures_dir, tmp_path, monkeypatch
             hook.close()
 
     run("clean")
-    dies_on_call(monkeypatch, stream, "write_shard_pair", 3, lambda: run("out"))
+    dies_on_call(monkeypatch, engine_shard, "write_shard_pair", 3, lambda: run("out"))
     result = run("out", resume=True)
     assert result.resumed_shards == 2 and result.shards > 3
     for name in ("out", "out-fp8"):

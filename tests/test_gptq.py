@@ -9,6 +9,7 @@ from conftest import RECIPES, read_all
 
 from quantize import calib, recipe
 from quantize.checkpoint import Checkpoint
+from quantize.engine import shard as engine_shard
 from quantize.engine import stream
 from quantize.engine.layerwise import Calibrated
 from quantize.errors import QuantizeError, UsageError
@@ -291,19 +292,19 @@ def calibrated_plan(src, recipe_name: str, tmp_path, num_samples: int, seq_len: 
 def interrupted_run(plan, samples, out, monkeypatch, dies_when) -> None:
     """stream.run into `out` whose shard writing fails (an I/O error) as soon as `dies_when()` holds; the hook
     is then closed as the CLI does, which waits for a layer checkpoint still being written."""
-    real = stream.write_shard_pair
+    real = engine_shard.write_shard_pair
 
     def write_shard_pair(*a, **k):
         if dies_when():
             raise OSError(5, "I/O error")
         return real(*a, **k)
 
-    monkeypatch.setattr(stream, "write_shard_pair", write_shard_pair)
+    monkeypatch.setattr(engine_shard, "write_shard_pair", write_shard_pair)
     failing = Calibrated(plan, samples, torch.device("cpu"))
     with pytest.raises(OSError):
         stream.run(plan, out, calibrated=failing)
     failing.close(ok=False)
-    monkeypatch.setattr(stream, "write_shard_pair", real)
+    monkeypatch.setattr(engine_shard, "write_shard_pair", real)
 
 
 def test_gptq_resume_after_a_failure_gives_the_uninterrupted_bytes(fixtures_dir, tmp_path, monkeypatch):

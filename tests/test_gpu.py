@@ -6,6 +6,7 @@ from conftest import RECIPES
 
 from quantize import recipe
 from quantize.checkpoint import Checkpoint
+from quantize.engine import shard as engine_shard
 from quantize.engine import stream
 from quantize.tensor_plan import build
 
@@ -123,7 +124,7 @@ def test_cuda_codes_do_not_follow_tf32(fixtures_dir, tmp_path):
 def test_cuda_resume_after_a_failure_gives_the_uninterrupted_bytes(fixtures_dir, tmp_path, monkeypatch):
     """CPU twin: test_gptq.py::test_gptq_resume_after_a_failure_gives_the_uninterrupted_bytes."""
     clean = _calibrated(fixtures_dir, tmp_path, "kimi-k2-fp8", tmp_path / "clean", recipe_name="kimi-k2-w4a16")
-    real, calls = stream.write_shard_pair, []
+    real, calls = engine_shard.write_shard_pair, []
 
     def dying(*a, **k):
         calls.append(1)
@@ -131,10 +132,10 @@ def test_cuda_resume_after_a_failure_gives_the_uninterrupted_bytes(fixtures_dir,
             raise OSError(5, "I/O error")
         return real(*a, **k)
 
-    monkeypatch.setattr(stream, "write_shard_pair", dying)
+    monkeypatch.setattr(engine_shard, "write_shard_pair", dying)
     with pytest.raises(OSError):
         _calibrated(fixtures_dir, tmp_path, "kimi-k2-fp8", tmp_path / "out", recipe_name="kimi-k2-w4a16")
-    monkeypatch.setattr(stream, "write_shard_pair", real)
+    monkeypatch.setattr(engine_shard, "write_shard_pair", real)
     resumed = _calibrated(fixtures_dir, tmp_path, "kimi-k2-fp8", tmp_path / "out", recipe_name="kimi-k2-w4a16",
                           resume=True)
     assert resumed == clean

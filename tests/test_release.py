@@ -17,6 +17,7 @@ from huggingface_hub.utils import _http
 
 from quantize import release
 from quantize.cli import main
+from quantize.engine import shard as engine_shard
 
 DATA = ROOT.parent / "shared" / "data"
 TOKEN = "hf_fakeTOKENthatMustNeverBePrinted0123"
@@ -200,7 +201,7 @@ def test_release_dry_run_resumes_a_broken_conversion_and_errors(hub, source, tmp
 
     # a release job that died while converting: two of its shards are written
     plan = build(Checkpoint(source), recipe.load(RECIPES / "dense-w4a16.yaml"), 300_000)
-    dies_on_call(monkeypatch, stream, "write_shard_pair", 3, lambda: stream.run(plan, tmp_path / "work" / "model"))
+    dies_on_call(monkeypatch, engine_shard, "write_shard_pair", 3, lambda: stream.run(plan, tmp_path / "work" / "model"))
     lenient = gate_file(tmp_path, "lenient", {"max_drop": 100, "min_recovery": 0})
     result = CliRunner().invoke(main, release_args(source, tmp_path, lenient, "--dry-run", "--max-shard-size", "300KB"))
     assert result.exit_code == 0, result.output

@@ -12,6 +12,7 @@ from conftest import read_all
 from safetensors.torch import load_file, save_file
 
 from quantize.cli import main
+from quantize.engine import shard as engine_shard
 from quantize.safetensors_file import read_header
 from quantize.verify import tensor_crc, verify
 from quantize.writer import MANIFEST_NAME, sha256_file
@@ -141,7 +142,7 @@ def test_convert_refuses_to_publish_an_output_that_fails_the_check(fixtures_dir,
     from quantize.errors import QuantizeError
     from quantize.tensor_plan import build
 
-    real = stream.write_shard_pair
+    real = engine_shard.write_shard_pair
 
     def nan_scales(plan, prefill, index, paths, *a, **k):
         real(plan, prefill, index, paths, *a, **k)
@@ -156,7 +157,7 @@ def test_convert_refuses_to_publish_an_output_that_fails_the_check(fixtures_dir,
             t: {"file": path.name, "dtype": header[t].dtype, "shape": list(v.shape), "crc32": tensor_crc(v)}
             for t, v in tensors.items()}), None
 
-    monkeypatch.setattr(stream, "write_shard_pair", nan_scales)
+    monkeypatch.setattr(engine_shard, "write_shard_pair", nan_scales)
     out = tmp_path / "out"
     plan = build(Checkpoint(fixtures_dir / "llama-bf16"), recipe.preset("w4a16", 64, "rtn"), max_shard_size=2**30)
     with pytest.raises(QuantizeError, match="output check failed.*NaN scale"):

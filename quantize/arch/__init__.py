@@ -5,6 +5,7 @@ Each family file declares an `Arch`: the model_types it serves and the leaf name
 says of any tensor name what it is: layer, expert, kind, and whether it is a quantizable Linear weight.
 """
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -123,10 +124,12 @@ class Model:
         return Role(kind, module, layer, expert, linear)
 
 
-def families() -> list[Arch]:
+@functools.cache
+def families() -> tuple[Arch, ...]:
+    """Every family: each file of quantize/arch/ holds one as data (an Arch's fields), importing nothing back."""
     from quantize.arch import deepseek_v3, glm4_moe, glm_moe_dsa, llama
 
-    return [deepseek_v3.ARCH, glm4_moe.ARCH, glm_moe_dsa.ARCH, llama.ARCH]
+    return tuple(Arch(**m.ARCH) for m in (deepseek_v3, glm4_moe, glm_moe_dsa, llama))
 
 
 def supported_model_types() -> list[str]:

@@ -1,12 +1,10 @@
 """DeepSeek V3 and everything built on it: Kimi K2 / K2 Thinking (model_type kimi_k2), Kimi K2.5 / K2.6 text
 models (the multimodal wrapper's text_config). MLA attention, 1 shared + N routed experts, MTP layers."""
 
-from quantize.arch import Arch
-
 MLA_LINEARS = frozenset({"q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"})
 MLP_LINEARS = frozenset({"gate_proj", "up_proj", "down_proj"})
 
-ARCH = Arch(
+ARCH = dict(  # an Arch's fields (quantize/arch/__init__.py): the family as data
     family="deepseek_v3",
     model_types=("deepseek_v3", "kimi_k2"),
     linear_leaves=MLA_LINEARS | MLP_LINEARS,

@@ -1,8 +1,6 @@
 """GLM-4.5 / 4.6 / 4.7 (Glm4Moe): GQA attention with q/k/v biases, shared + routed experts, MTP layers."""
 
-from quantize.arch import Arch
-
-ARCH = Arch(
+ARCH = dict(  # an Arch's fields (quantize/arch/__init__.py): the family as data
     family="glm4_moe",
     model_types=("glm4_moe",),
     linear_leaves=frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),

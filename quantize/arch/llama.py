@@ -1,8 +1,6 @@
 """Dense decoders with Llama's module names: Llama, Qwen2, Qwen3."""
 
-from quantize.arch import Arch
-
-ARCH = Arch(
+ARCH = dict(  # an Arch's fields (quantize/arch/__init__.py): the family as data
     family="llama",
     model_types=("llama", "qwen2", "qwen3"),
     linear_leaves=frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),

@@ -1,6 +1,8 @@
-"""AWQ (Lin et al., 2023, arXiv:2306.00978) of one decoder layer in the layerwise engine: record what each
-smoothing mapping's balance layers see, search per-channel scales against the loss at the block's output
-(quant/awq.py), fold them into the norm (or the Linear) before, then RTN.
+"""AWQ (Lin et al., 2023, arXiv:2306.00978) of one decoder layer in the layerwise engine, on rank 0: record what
+each smoothing mapping's balance layers see, search per-channel scales against the loss at the block's output
+(quant/awq.py), fold them into the norm (or the Linear) before, then RTN. A MoE layer's routed experts are not in
+the layer (Deferred): the norm that feeds them is searched with every rank (engine/awq_experts.py), which then
+smooth and round their own experts.
 
 `q` is the engine's LayerwiseQuantizer: its passes (`_run`), its layer inputs and its results.
 """
@@ -13,18 +15,19 @@ from functools import partial
 import torch
 from torch import nn
 
-from quantize.engine.experts import UnfusedExperts
 from quantize.quant import awq
 from quantize.tensor_plan import Entry
 
 
-def _mappings(q, modules: dict[str, nn.Module], targets: dict[str, Entry]) -> list[tuple[str, list[str]]]:
-    """(smooth, balance) pairs present in this layer whose balance layers include something quantized."""
+def _mappings(q, modules: dict[str, nn.Module], targets: dict[str, Entry],
+              routed: tuple[str, ...] = ()) -> list[tuple[str, list[str]]]:
+    """(smooth, balance) pairs present in this layer whose balance layers include something quantized. `routed`:
+    the names of the routed experts' Linears (`mlp.experts.E.gate_proj`) when they are streamed, not modules."""
     pairs = []
     for smooth, patterns in q.model.arch.awq_norms:
         if smooth in modules:
-            balance = [n for n in modules if any(re.fullmatch(p, n) for p in patterns)
-                       and getattr(modules[n], "weight", None) is not None]
+            balance = [n for n in [*routed, *modules] if any(re.fullmatch(p, n) for p in patterns)
+                       and (n in routed or getattr(modules[n], "weight", None) is not None)]
             pairs.append((smooth, balance))
     for n, mod in modules.items():
         if n.endswith("up_proj") and (down := n[: -len("up_proj")] + "down_proj") in modules:
@@ -54,11 +57,12 @@ def _attention_loss(q, layer: nn.Module, quantized: list[nn.Module], inputs: lis
 
     return _swapped_loss(run, quantized, q.recipe.scheme.group_size, q.recipe.scheme.symmetric)
 
-def awq_layer(q, layer: nn.Module, i: int, targets: dict[str, Entry], report) -> None:
-    """Record the inputs each mapping's balance layers see, search and apply the scales, then RTN."""
+def awq_layer(q, layer: nn.Module, i: int, targets: dict[str, Entry], report, moe=None) -> None:
+    """Record the inputs each mapping's balance layers see, search and apply the scales, then RTN. `moe`: the
+    layer's routed experts (awq_experts.AWQExperts), whose norm is searched first, with the other ranks."""
     modules = dict(layer.named_modules())
-    mappings = _mappings(q, modules, targets)
-    experts = next((mod for mod in modules.values() if isinstance(mod, UnfusedExperts)), None)
+    routed = tuple(moe.linear_names()) if moe is not None else ()
+    mappings = _mappings(q, modules, targets, routed)
     rec = _AWQRecorder(q.awq_rows, len(q.hidden))
     hooks = []
     for smooth, balance in mappings:
@@ -66,40 +70,49 @@ def awq_layer(q, layer: nn.Module, i: int, targets: dict[str, Entry], report) ->
             hooks.append(modules[balance[0]].register_forward_pre_hook(partial(rec.pre_hook, smooth)))
         else:
             hooks.append(modules[smooth].register_forward_hook(partial(rec.hook, smooth)))
-    if experts is not None:
-        experts.record = rec.record_routes
+    if moe is not None:
+        q._deferred(layer).record = moe.record_calibration
     q._run(layer, i, advance=False)
     for h in hooks:
         h.remove()
-    if experts is not None:
-        experts.record = None
+    if moe is not None:
+        q._deferred(layer).record = None
+        moe.share_calibration()
+        # the norm before the experts first: the other ranks wait for its scales (it shares no module with the
+        # attention's mappings, and came before the MLP's own up -> down in any case)
+        mappings.sort(key=lambda m: not any(b in routed for b in m[1]))
 
     s, g = q.recipe.scheme, q.recipe.scheme.group_size
     modified: set[str] = set()
     for smooth, balance in mappings:
         x_mean, X = rec.stats(smooth)
-        if X is None:
+        here = [b for b in balance if b in modules]
+        quantized = [b for b in here if b in targets]
+        if any(b in routed for b in balance):
+            scales, ratio, initial, best = _search_with_experts(q, layer, moe, x_mean, X, quantized, modules)
+        elif X is None:
             continue
-        quantized = [b for b in balance if b in targets]
-        parent = _parent(smooth, balance, modules)
-        if parent == "self_attn":
-            loss = _attention_loss(q, layer, [modules[b] for b in quantized], rec.attention_inputs)
-        elif parent == "mlp":
-            loss = _module_loss(layer.mlp, [modules[b] for b in quantized], [X.to(q.device, q.compute)[None]], g,
-                                s.symmetric)
         else:
-            loss = awq.linear_loss([(modules[b].weight.data, X.to(q.device)) for b in quantized], g, s.symmetric)
-        scales, ratio, initial, best = awq.search(x_mean.to(q.device), [modules[b].weight.data for b in quantized],
-                                                 loss, g, q.recipe.awq.n_grid)
+            parent = _parent(smooth, balance, modules)
+            if parent == "self_attn":
+                loss = _attention_loss(q, layer, [modules[b] for b in quantized], rec.attention_inputs)
+            elif parent == "mlp":
+                loss = _module_loss(layer.mlp, [modules[b] for b in quantized], [X.to(q.device, q.compute)[None]], g,
+                                    s.symmetric)
+            else:
+                loss = awq.linear_loss([(modules[b].weight.data, X.to(q.device)) for b in quantized], g, s.symmetric)
+            scales, ratio, initial, best = awq.search(x_mean.to(q.device), [modules[b].weight.data for b in quantized],
+                                                     loss, g, q.recipe.awq.n_grid)
         q.stats.awq.append({"layer": i, "smooth": smooth, "ratio": ratio, "loss_identity": initial,
-                               "loss_best": best})
-        _apply_scales(modules[smooth], [modules[b] for b in balance], scales.to(q.device))
-        modified.update([smooth, *balance])
+                            "loss_best": best})
+        _apply_scales(modules[smooth], [modules[b] for b in here], scales.to(q.device))
+        modified.update([smooth, *here])
         if smooth == "input_layernorm":  # later attention losses must see the rescaled norm's output
             rec.attention_inputs = [(x.float() / scales.to(x.device)).to(x.dtype) for x in rec.attention_inputs]
     rec.attention_inputs.clear()
     for m, e in targets.items():
-        q._quantize_module(modules[m], e, report)
+        if m in modules:
+            q._quantize_module(modules[m], e, report)
     prefix = f"{q.model.prefix}model.layers.{i}."
     for m in sorted(modified - set(targets)):
         for leaf in ("weight", "bias"):
@@ -107,6 +120,20 @@ def awq_layer(q, layer: nn.Module, i: int, targets: dict[str, Entry], report) ->
             t = getattr(modules[m], leaf, None)
             if t is not None and name in q.entries:
                 q._store_result(name, [t.detach().to("cpu", _dtype(q.entries[name].outputs[0].dtype))])
+
+
+def _search_with_experts(q, layer: nn.Module, moe, x_mean, X, quantized: list[str], modules: dict[str, nn.Module]):
+    """The norm before a MoE block, searched with every rank: the shared experts' error here (the block run with
+    its routed experts Deferred, so its output is theirs), the routed experts' on their ranks."""
+    s, g = q.recipe.scheme, q.recipe.scheme.group_size
+    total, rows = awq.weight_sums([modules[b].weight.data for b in quantized], g)
+    shared_loss, elements = None, 0
+    if X is not None:
+        elements = X.shape[0] * X.shape[1]
+        if quantized:
+            shared_loss = _module_loss(layer.mlp, [modules[b] for b in quantized], [X.to(q.device, q.compute)[None]],
+                                       g, s.symmetric)
+    return moe.search_norm(x_mean, (total, rows, shared_loss, elements))
 
 
 def _parent(smooth: str, balance: list[str], modules: dict[str, nn.Module]) -> str | None:
@@ -177,7 +204,6 @@ class _AWQRecorder:
         self.sums: dict[str, torch.Tensor] = {}
         self.counts: dict[str, int] = defaultdict(int)
         self.rows: dict[str, list[torch.Tensor]] = defaultdict(list)
-        self.routes: list[torch.Tensor] = []
         self.attention_inputs: list[torch.Tensor] = []  # whole batches: attention needs whole sequences
 
     def _keep(self, name: str, x: torch.Tensor) -> None:
@@ -198,18 +224,10 @@ class _AWQRecorder:
     def pre_hook(self, name: str, _module, args) -> None:
         self._keep(name, args[0])
 
-    def record_routes(self, x: torch.Tensor, top_k_index: torch.Tensor) -> None:
-        per_sample = max(1, self.max_rows // self.n_samples)
-        stride = max(1, x.shape[0] // per_sample)
-        self.routes.append(top_k_index[::stride][:per_sample].to("cpu"))
-
     def stats(self, name: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if not self.counts.get(name):
             return None, None
         return (self.sums[name] / self.counts[name]).float(), torch.cat(self.rows[name])
-
-    def routed_rows(self, expert: int) -> torch.Tensor:
-        return (torch.cat(self.routes) == expert).any(dim=-1)
 
 
 def takes_topk(module: nn.Module) -> bool:

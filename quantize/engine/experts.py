@@ -86,36 +86,6 @@ def chunk_workers(device: torch.device) -> int:
     return max(1, torch.get_num_threads()) if device.type == "cpu" else 1
 
 
-class UnfusedExperts(nn.ModuleList):
-    """transformers' fused `experts` (gate_up_proj [E, 2I, H], down_proj [E, H, I]) as per-expert Linears named
-    as in the checkpoint (`experts.E.{gate,up,down}_proj`), with the same forward, recording what it is sent."""
-
-    def __init__(self, num_experts: int, hidden: int, inter: int, act_fn, dtype: torch.dtype):
-        super().__init__()
-        for _ in range(num_experts):
-            e = nn.Module()
-            e.gate_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype)
-            e.up_proj = nn.Linear(hidden, inter, bias=False, dtype=dtype)
-            e.down_proj = nn.Linear(inter, hidden, bias=False, dtype=dtype)
-            self.append(e)
-        self.__dict__["act_fn"] = act_fn  # not a child: the children are exactly the experts, as in the checkpoint
-        self.record: Callable | None = None
-
-    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        m = self[e]
-        return m.down_proj(self.act_fn(m.gate_proj(x)) * m.up_proj(x))
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        if self.record is not None:
-            self.record(hidden_states, top_k_index)
-        out = torch.zeros_like(hidden_states)
-        for e in torch.unique(top_k_index).tolist():
-            token_idx, top_k_pos = torch.where(top_k_index == e)
-            y = self.expert_forward(e, hidden_states[token_idx]) * top_k_weights[token_idx, top_k_pos, None]
-            out.index_add_(0, token_idx, y.to(out.dtype))
-        return out
-
-
 class Deferred(nn.Module):
     """Stand-in for a layer's routed experts: no weights; records what it is sent and returns zeros."""
 
@@ -186,6 +156,7 @@ class Result:
     tensors: list[torch.Tensor]  # what replaces the weight, in the order of its plan entry's outputs (on the CPU)
     fallback: bool  # Hessian not positive definite or not finite: RTN
     error: float  # relative Frobenius error of the dequantized weight
+    quantized: bool = True  # False: a float weight AWQ rescaled but the recipe leaves unquantized
 
 
 class LayerExperts:
@@ -535,6 +506,9 @@ class LayerExperts:
             if r is None:
                 source = source or self._source(e)
                 out[leaf] = source[leaf].to(self.s.compute)
+                continue
+            if not r.quantized:
+                out[leaf] = r.tensors[0].to(self.s.device, self.s.compute)
                 continue
             w = codec.from_outputs(self.s.scheme, [t.to(self.s.device) for t in r.tensors])
             out[leaf] = w.to(self.s.dtype).to(self.s.compute)

@@ -25,6 +25,7 @@ This module is the layer loop and the dense work (GPTQ of attention and dense ML
 
 import itertools
 import json
+import re
 import shutil
 import tempfile
 import threading
@@ -40,9 +41,10 @@ import torch
 from torch import nn
 
 from quantize import compute, kvcache, serving
-from quantize.engine import agreement, devices, distributed, memory
+from quantize.engine import agreement, devices, distributed, memory, writers
 from quantize.engine import experts as routed
 from quantize.engine.activations import ActivationStore, TokenBuffer, release_freed_memory
+from quantize.engine.awq_experts import AWQExperts
 from quantize.engine.awq_layer import awq_layer, takes_topk
 from quantize.engine.hessians import Hessians
 from quantize.engine.layer_state import CALIB_DIR, LayerCheckpoint, Resume, samples_key
@@ -52,7 +54,7 @@ from quantize.tensor_plan import Entry, Plan
 
 
 def _layers(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[memory.Layer]:
-    gptq_ = plan.recipe.method in ("gptq", "rtn")  # routed experts streamed (calibrated rtn: no Hessians, fewer bytes)
+    gptq_ = True  # routed experts streamed, whatever the method (calibrated rtn: no Hessians, fewer bytes)
     workers = routed.chunk_workers(device) if device.type == "cuda" else distributed.cpu_threads()
 
     def stack_of(inter: int, hidden: int) -> int:
@@ -148,10 +150,6 @@ class Stats:
         for kind, v in saved.get("error", {}).items():
             self.error[kind].extend(v)
         self.awq.extend(saved.get("awq", []))
-
-
-class _Stopped(Exception):
-    """The run is ending (a writer failed): a writer waiting for a layer, or the loop, stops here."""
 
 
 def work_stop(plan: Plan) -> int:
@@ -296,7 +294,7 @@ class LayerwiseQuantizer:
     def _loop(self) -> None:
         try:
             self.run()
-        except _Stopped:
+        except writers.Stopped:
             pass
         except BaseException as e:  # the writers raise it, in their threads (produce)
             with self._cond:
@@ -328,7 +326,7 @@ class LayerwiseQuantizer:
             while not self._stopping and any(n for layer, n in self._held.items() if layer <= i - 2):
                 self._cond.wait()
             if self._stopping:
-                raise _Stopped
+                raise writers.Stopped
         self.stats.waited_for_writers += time.perf_counter() - t0
 
     def _store_result(self, name: str, tensors: list[torch.Tensor]) -> None:
@@ -356,7 +354,7 @@ class LayerwiseQuantizer:
             if self._error is not None:
                 raise self._error
             if self._published <= layer:
-                raise _Stopped
+                raise writers.Stopped
             out = self.results.pop(e.tensor.name, None)
             if out is not None:
                 self._held[layer] -= 1
@@ -411,17 +409,11 @@ class LayerwiseQuantizer:
         return {t: mask for t in set(layer_types)} if isinstance(layer_types, list) else mask
 
     def _build_layer(self, i: int) -> nn.Module:
-        """Layer i with its weights decoded from the source. Under GPTQ a MoE layer's routed experts are
-        Deferred (decoded later, a chunk at a time, by engine/experts.py); under AWQ they are unfused Linears."""
+        """Layer i with its weights decoded from the source. A MoE layer's routed experts, when the layer has
+        targets, are Deferred: decoded later, a chunk at a time (engine/experts.py, engine/awq_experts.py)."""
         layer = self.skeleton.model.layers[i]
-        experts = getattr(getattr(layer, "mlp", None), "experts", None)
-        if experts is not None and hasattr(experts, "gate_up_proj"):
-            if self._streams_experts(i):
-                layer.mlp.experts = routed.Deferred(experts.act_fn)
-            else:
-                with torch.device("meta"):
-                    layer.mlp.experts = routed.UnfusedExperts(experts.num_experts, experts.hidden_dim,
-                                                              experts.intermediate_dim, experts.act_fn, self.compute)
+        if self._streams_experts(i):
+            layer.mlp.experts = routed.Deferred(layer.mlp.experts.act_fn)
         layer.to_empty(device=self.device)
         prefix = f"{self.model.prefix}model.layers.{i}."
         want = dict(layer.named_parameters()) | dict(layer.named_buffers())
@@ -482,8 +474,16 @@ class LayerwiseQuantizer:
         return {n[len(prefix):-len(".weight")]: e for n, e in self.targets.items() if e.role.layer == i}
 
     def _streams_experts(self, i: int) -> bool:
-        """Whether layer i's routed experts are GPTQ (or calibrated RTN) targets, solved by engine/experts.py."""
-        return self.recipe.method in ("gptq", "rtn") and any(".experts." in m for m in self._layer_targets(i))
+        """Whether layer i's routed experts are streamed: under GPTQ and calibrated RTN when they are targets
+        (engine/experts.py); under AWQ whenever the MoE layer has a target, as its norm's smoothing reaches them
+        (engine/awq_experts.py)."""
+        experts = getattr(getattr(self.skeleton.model.layers[i], "mlp", None), "experts", None)
+        if not isinstance(experts, routed.Deferred) and not hasattr(experts, "gate_up_proj"):
+            return False
+        targets = self._layer_targets(i)
+        if self.recipe.method == "awq":
+            return bool(targets)
+        return any(".experts." in m for m in targets)
 
     def _dense_targets(self, i: int, targets: dict[str, Entry]) -> list[str]:
         """Layer i's targets that GPTQ solves in the layer (all but the routed experts engine/experts.py solves)."""
@@ -498,7 +498,8 @@ class LayerwiseQuantizer:
         targets = self._layer_targets(i)
         if self.dp:
             self._exchange_inputs()
-        layer = self._build_layer(i)
+        # AWQ's forwards run on rank 0 alone: the other ranks only take their share of the routed experts
+        layer = self._build_layer(i) if self.rank == 0 or self.dp else None
         report = LayerReport(layer=i, seconds=0.0, modules=len(targets))
         if self.recipe.method == "rtn":
             self._rtn_layer(layer, i, targets, report)
@@ -519,22 +520,33 @@ class LayerwiseQuantizer:
         """GPTQ or AWQ of layer i: the calibration pass, the solves, the pass through the quantized layer."""
         moe, sending = None, []
         if self.recipe.method == "awq":
-            awq_layer(self, layer, i, targets, report)
+            moe = self._layer_experts(i, targets) if self._streams_experts(i) else None
+            t = time.perf_counter()
+            if self.rank == 0:
+                awq_layer(self, layer, i, targets, report, moe)
+            elif moe is not None:
+                moe.share_calibration()
+                if moe.norm_applies:
+                    moe.search_norm()
+            report.phases["awq_search"] = time.perf_counter() - t
         else:
             moe = self._gptq_layer(layer, i, targets, report)
-            if moe is not None and self.rank != 0:
-                t = time.perf_counter()
-                moe.solve()  # the others solve their experts while rank 0 solves the dense Linears
-                report.phases["experts"] = time.perf_counter() - t
             if self.dp:
                 sending = self._share_dense(layer, i, targets)
+        if moe is not None and self.rank != 0:
+            t = time.perf_counter()
+            moe.solve()  # the others solve their experts while rank 0 solves the dense Linears
+            report.phases["experts"] = time.perf_counter() - t
         self._wait_for_checkpoint()  # the previous layer's checkpoint still reads the activations about to change
         t1 = time.perf_counter()
         if moe is not None:
             moe.start_advance()
-            self._deferred(layer).record = moe.record_advance
+            if layer is not None:
+                self._deferred(layer).record = moe.record_advance
         amax, mla = None, None
-        if self.recipe.kv_cache:  # observed on the quantized layer, whose K and V are what serving caches
+        if layer is None:
+            pass  # an AWQ rank > 0: no forwards
+        elif self.recipe.kv_cache:  # observed on the quantized layer, whose K and V are what serving caches
             mla = self.config.qk_nope_head_dim if hasattr(layer.self_attn, "kv_a_layernorm") else None
             with kvcache.observe(layer.self_attn, mla) as amax:
                 self._run(layer, i, advance=True)
@@ -668,10 +680,17 @@ class LayerwiseQuantizer:
                                  self.recipe.gptq, self.recipe.calibration, self.world, self.rank, self.stats.offload,
                                  squares=self.recipe.method == "rtn")
         prefix = f"{self.model.prefix}model.layers.{i}.mlp.experts."
-        return routed.LayerExperts(setting, prefix, self.config.n_routed_experts, dict(by_expert), self.tokens,
-                                   self.model.hidden_size, self.config.num_experts_per_tok, act_fn,
-                                   partial(TokenBuffer, self.stats.offload, self.device, self._tmp), self.on_expert,
-                                   self.spans)
+        args = (setting, prefix, self.config.n_routed_experts, dict(by_expert), self.tokens, self.model.hidden_size,
+                self.config.num_experts_per_tok, act_fn, partial(TokenBuffer, self.stats.offload, self.device, self._tmp),
+                self.on_expert, self.spans if self.dp else None)  # without data parallel forwards, rank 0's all
+        if self.recipe.method != "awq":
+            return routed.LayerExperts(*args)
+        starts = [0, *itertools.accumulate(p.numel() for p in self.positions)]
+        moe = AWQExperts(*args, awq_params=self.recipe.awq, bounds=list(zip(starts, starts[1:], strict=False)))
+        # whether the norm before the experts is smoothed: some Linear it feeds is quantized (awq_layer._mappings)
+        patterns = [p for smooth, ps in self.model.arch.awq_norms for p in ps if "experts" in "".join(ps)]
+        moe.norm_applies = any(re.fullmatch(p, m) for p in patterns for m in targets)
+        return moe
 
     def _finish_experts(self, moe: "routed.LayerExperts", i: int, targets: dict[str, Entry],
                         report: LayerReport) -> None:
@@ -684,8 +703,11 @@ class LayerwiseQuantizer:
         report.routed_bytes = moe.routed_bytes
         rel = {e.role.expert: m.split(".experts.")[0] + ".experts." for m, e in targets.items() if ".experts." in m}
         for (e, leaf), r in sorted(moe.results.items()):
-            self._store_result(targets[f"{rel[e]}{e}.{leaf}"].tensor.name, r.tensors)
+            name = f"{moe.prefix}{e}.{leaf}.weight"  # a target's codes, or a weight AWQ rescaled and left float
+            if name in self.entries:
+                self._store_result(name, r.tensors)
         meta = moe.collect()
+        searches = moe.collect_searches() if isinstance(moe, AWQExperts) else {}
         moe.results.clear()
         if self.rank != 0:
             report.phases["routed_output_and_exchange"] = time.perf_counter() - t1
@@ -702,9 +724,13 @@ class LayerwiseQuantizer:
         report.tokens_per_expert = dict(enumerate(moe.counts))
         for e in sorted(rel):
             if moe.rtn_only(e):
-                report.fallbacks.append(f"{rel[e]}{e} ({moe.counts[e]} tokens < {cal.min_expert_tokens}: RTN)")
+                why = "never routed" if isinstance(moe, AWQExperts) else f"{moe.counts[e]} tokens < {cal.min_expert_tokens}"
+                report.fallbacks.append(f"{rel[e]}{e} ({why}: RTN)")
             else:
                 report.experts_calibrated += 1
+        for e, (ratio, initial, best) in searches.items():
+            self.stats.awq.append({"layer": i, "smooth": f"{rel.get(e, 'mlp.experts.')}{e}.up_proj", "ratio": ratio,
+                                   "loss_identity": initial, "loss_best": best})
         for (e, leaf), (fallback, error) in sorted(meta.items()):
             entry = targets[f"{rel[e]}{e}.{leaf}"]
             if fallback:
@@ -865,16 +891,11 @@ class _StopWhenAllSeen:
         self.seen(name)
 
 
-def own_todo(plan: Plan, todo: list[int], rank: int, world: int) -> list[int]:
-    """The shards of `todo` that this rank writes (distributed.stream_owner)."""
-    return [i for i in todo if distributed.stream_owner(plan.stream_of(i), world) == rank]
-
-
 def _quantizer(plan: Plan, samples: list[torch.Tensor], device: torch.device, account: memory.Account,
                dtype: torch.dtype, terms: dict, rank: int, world: int, **kwargs) -> LayerwiseQuantizer:
     """This rank's quantizer for the run rank 0 planned (agreement.run_terms): its layers, and the results its
     writers take (the tensors of its own main shards still to write)."""
-    keep = {e.tensor.name for i in own_todo(plan, terms["todo"][0], rank, world) for e in plan.shards[i]}
+    keep = {e.tensor.name for i in writers.own_todo(plan, terms["todo"][0], rank, world) for e in plan.shards[i]}
     return LayerwiseQuantizer(plan, samples, device, account, compute_dtype=dtype, worker=rank != 0,
                               start=terms["start"], stop=terms["stop"], keep=keep, **kwargs)
 
@@ -889,20 +910,19 @@ def _layout_key(plan: Plan) -> str:
 class Calibrated:
     """The `calibrated` hook of stream.run: the ranks, their agreement, then the layer loop and its producer.
 
-    With `devices` of more than one entry, ranks 1.. run on devices[1:] (engine/distributed.py) and this process
-    is rank 0 on devices[0]; `launch`, when given, has started them already (the CLI does so before planning).
+    With several ranks, `launch` has started ranks 1.. on devices[1:] (engine/distributed.py; quantize/convert.py
+    starts them before planning) and this process is rank 0 on devices[0]; under torchrun the group is up
+    already. From here on the process group is the one record of the ranks (agreement.world()).
     Made before OUT.partial exists: the ranks agree on the offload here, so a refusal leaves nothing."""
 
     def __init__(self, plan: Plan, samples: list[torch.Tensor], device: torch.device, offload: str = "auto",
                  on_layer: Callable[[LayerReport, int], None] | None = None, devices: list[str] | None = None,
                  on_expert: Callable[[int, int], None] | None = None, compute_dtype: str = "auto",
-                 launch: "distributed.Launch | None" = None, prefill_recipe=None):
+                 launch: "distributed.Launch | None" = None):
         self.devices = devices or []
         self._launch, self._ctx = launch, None
-        if len(self.devices) > 1 and not torch.distributed.is_initialized() and self._launch is None:
-            self._launch = distributed.Launch(rank_job(plan.ckpt.root, plan.recipe, self.devices, offload,
-                                                        plan.ckpt.allow_nonfinite, max_shard_size=plan.max_shard_size,
-                                                        prefill_recipe=prefill_recipe), run_rank)
+        if len(self.devices) > 1 and launch is None:
+            raise AssertionError("several devices: the caller launches their ranks (distributed.Launch)")
         if self._launch is not None:
             self._ctx = self._launch.join()
         self.rank, self.world = agreement.world()
@@ -956,7 +976,6 @@ class Calibrated:
     def _segments_done(self, layer: int) -> bool:
         """Whether every shard of the segments before `layer` is on disk, in every output (rank 0's writers, or
         another rank's receipt)."""
-        from quantize.engine import writers
 
         plan = self.args[0]
         names = plan.shard_names
@@ -1011,7 +1030,6 @@ def run_rank(job, device: torch.device) -> None:
     share of every layer's work, and the shards of its expert groups written by its own writers."""
     from quantize import recipe
     from quantize.checkpoint import Checkpoint
-    from quantize.engine import writers
     from quantize.tensor_plan import build, pair
 
     ckpt = Checkpoint(Path(job.src), job.allow_nonfinite)
@@ -1038,7 +1056,7 @@ def run_rank(job, device: torch.device) -> None:
     partials = [Path(p) for p in terms["partials"]]
     q.start_loop()
     try:
-        stats = writers.run(plan, prefill, partials, terms["todo"], own_todo(plan, sorted(set().union(
+        stats = writers.run(plan, prefill, partials, terms["todo"], writers.own_todo(plan, sorted(set().union(
             *map(set, terms["todo"]))), rank, world), q, device,
             on_written=lambda i, written: writers.write_receipt(partials[0], plan.shard_names[i], written))
         q.join()

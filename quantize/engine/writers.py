@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from quantize.engine import devices, stream
+from quantize.engine import devices, distributed, shard
 from quantize.tensor_plan import Plan
 
 RECEIPTS = "receipts"
@@ -49,6 +49,15 @@ def read_receipts(partial: Path) -> dict[str, list]:
     if not folder.is_dir():
         return {}
     return {p.name.removesuffix(".json"): json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+
+
+class Stopped(Exception):
+    """The layer loop ended before a writer's layer (another writer failed): that writer stops quietly."""
+
+
+def own_todo(plan: Plan, todo: list[int], rank: int, world: int) -> list[int]:
+    """The shards of `todo` that this rank writes (distributed.stream_owner)."""
+    return [i for i in todo if distributed.stream_owner(plan.stream_of(i), world) == rank]
 
 
 def run(plan: Plan, prefill: Plan | None, partials: list[Path], todo: list[list[int]], shards: list[int], engine,
@@ -80,7 +89,7 @@ def run(plan: Plan, prefill: Plan | None, partials: list[Path], todo: list[list[
                 for i in mine:
                     paths = tuple(p / names[i] if i in t else None for p, t in zip(partials, pending, strict=True))
                     paths = paths + (None,) * (2 - len(paths))
-                    written = stream.write_shard_pair(plan, prefill, i, paths, device, advance, pool, depth=2,
+                    written = shard.write_shard_pair(plan, prefill, i, paths, device, advance, pool, depth=2,
                                                       calibrated=produce)
                     n += sum(w[0] for w in written if w is not None)
                     on_written(i, written)
@@ -99,7 +108,6 @@ def run(plan: Plan, prefill: Plan | None, partials: list[Path], todo: list[list[
     for t in threads:
         t.join()
     if errors:
-        from quantize.engine.layerwise import _Stopped
 
-        raise next((e for e in errors if not isinstance(e, _Stopped)), errors[0])
+        raise next((e for e in errors if not isinstance(e, Stopped)), errors[0])
     return [stats[s] for s in sorted(stats)]

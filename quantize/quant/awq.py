@@ -12,6 +12,7 @@ output.
 from collections.abc import Callable
 
 import torch
+from torch.nn import functional as F
 
 from quantize.quant.rtn import fake_quantize
 
@@ -21,14 +22,21 @@ def grid(n_grid: int = 20) -> list[tuple[float, bool]]:
     return [(0.0, False)] + [(i / (n_grid - 2), True) for i in range(n_grid - 1)]
 
 
-def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
-    """Mean over output rows of |W| normalized by its group's max, per input channel, over all balance layers."""
+def weight_sums(weights: list[torch.Tensor], group_size: int) -> tuple[torch.Tensor | int, int]:
+    """The sum over output rows of |W| normalized by its group's max, per input channel (float64), and the rows:
+    weight_mean's parts, which a MoE layer's expert groups add up on their own ranks."""
     total, rows = 0, 0
     for w in weights:
         g = w.float().abs().reshape(-1, group_size)
         g = (g / (g.amax(dim=1, keepdim=True) + 1e-6)).reshape(w.shape)
         total = total + g.sum(0, dtype=torch.float64)
         rows += w.shape[0]
+    return total, rows
+
+
+def weight_mean(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """Mean over output rows of |W| normalized by its group's max, per input channel, over all balance layers."""
+    total, rows = weight_sums(weights, group_size)
     return (total / rows).float()
 
 
@@ -64,6 +72,20 @@ def linear_loss(layers: list[tuple[torch.Tensor, torch.Tensor]], group_size: int
     return loss
 
 
+def candidates(x_mean: torch.Tensor, w_mean: torch.Tensor, n_grid: int = 20) -> list[tuple[float, torch.Tensor]]:
+    """(ratio, scales) of every grid point, the identity first."""
+    return [(ratio, candidate(x_mean, w_mean, ratio, duo)) for ratio, duo in grid(n_grid)]
+
+
+def pick(cands: list[tuple[float, torch.Tensor]], losses: list[float]) -> tuple[torch.Tensor, float, float, float]:
+    """(scales, ratio, loss with identity scales, best loss): the first candidate of least loss."""
+    best = (None, -1.0, float("inf"))
+    for (ratio, s), value in zip(cands, losses, strict=True):
+        if value < best[2]:
+            best = (s.clone(), ratio, value)
+    return best[0], best[1], losses[0], best[2]
+
+
 def search(
     x_mean: torch.Tensor,
     weights: list[torch.Tensor],
@@ -76,14 +98,30 @@ def search(
     `loss(s)` is the error with every quantized balance layer computing Q(W * s) / s. Returns (scales, best
     ratio, loss with identity scales, best loss).
     """
-    w_mean = weight_mean(weights, group_size)
-    best = (None, -1.0, float("inf"))
-    initial = None
-    for ratio, duo in grid(n_grid):
-        s = candidate(x_mean, w_mean, ratio, duo)
-        value = loss(s)
-        if initial is None:
-            initial = value
-        if value < best[2]:
-            best = (s.clone(), ratio, value)
-    return best[0], best[1], initial, best[2]
+    cands = candidates(x_mean, weight_mean(weights, group_size), n_grid)
+    return pick(cands, [loss(s) for _, s in cands])
+
+
+ERROR_ROWS = 8192  # an expert's tokens go into expert_errors this many rows at a time (fixed: the same sums always)
+
+
+def expert_errors(x: torch.Tensor, route_weights: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                  down: torch.Tensor, act_fn, scales: list[torch.Tensor], group_size: int,
+                  symmetric: bool = True, quantized: tuple[bool, bool] = (True, True)) -> torch.Tensor:
+    """One routed expert's share of the loss of a norm that feeds it, for each candidate scales s: the squared
+    error of its weighted output, sum over rows of ||w (E_s(x) - E(x))||^2 (float64, [len(scales)]), where E_s's
+    gate and up compute Q(W * s) / s. x [rows, in] are the tokens routed to it and route_weights [rows] the
+    router's weights of it; the weights are in the compute dtype, as the layer runs them. `quantized`: whether
+    gate and up are quantized (a balance layer left float is scaled, never rounded)."""
+    def forward(g: torch.Tensor, u: torch.Tensor, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(act_fn(F.linear(rows, g)) * F.linear(rows, u), down).float() * w[:, None]
+
+    blocks = [(x[r:r + ERROR_ROWS], route_weights[r:r + ERROR_ROWS].float()) for r in range(0, x.shape[0], ERROR_ROWS)]
+    refs = [forward(gate, up, rows, w) for rows, w in blocks]
+    out = torch.zeros(len(scales), dtype=torch.float64)
+    for c, s in enumerate(scales):
+        g, u = (scaled_fake_quant(w, s, group_size, symmetric) if q else w
+                for w, q in zip((gate, up), quantized, strict=True))
+        for (rows, w), ref in zip(blocks, refs, strict=True):
+            out[c] += float((forward(g, u, rows, w) - ref).pow(2).sum(dtype=torch.float64))
+    return out

@@ -1,0 +1,136 @@
+"""One output shard written from the plan: each tensor produced (decoded, quantized, packed, or taken from a
+calibrated engine), in order, and streamed into the file; both sides of a prefill pair from one decode.
+
+The stream engine (RTN) and each rank's writers (engine/writers.py) write their shards through here.
+"""
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from quantize.engine.ordered import in_order
+from quantize.quant import codec, fp4, fp8
+from quantize.safetensors_file import read_tensor
+from quantize.tensor_plan import Entry, Plan
+from quantize.writer import ShardWriter
+
+
+def needs_decode(e: Entry) -> bool:
+    return e.action in ("quantize", "dequantize")
+
+
+def produce(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The output tensors of one plan entry, in the order of `e.outputs`; `w`, when given, is the source
+    tensor already decoded (by the other plan of a pair: one read for both outputs)."""
+    t = e.tensor
+    if e.action == "kv_scale":
+        raise AssertionError(f"{t.name} is measured by the calibrated engine, which did not produce it")
+    if e.action == "keep":
+        kept = read_tensor(t.main)
+        plan.ckpt.check_finite(t, kept)
+        return [kept]
+    if e.action == "passthrough":
+        return list(plan.ckpt.read_parts(t).values())
+    if w is None:
+        w = plan.ckpt.decode(t, device)
+    w = w.to(plan.ckpt.dtype)
+    if e.action == "dequantize":
+        return [w]
+    s = plan.recipe.scheme
+    if s.fp8_block:
+        block = tuple(s.block_structure)
+        scale = fp8.block_scale(w, block)
+        return [fp8.quantize_with_block_scale(w, scale, block), scale]
+    if s.w4a4:  # every NVFP4 W4A4 target is a GPTQ target, whose input_global_scale only calibration measures
+        raise AssertionError(f"{t.name} needs calibrated activations (NVFP4 W4A4) but reached round to nearest")
+    if s.fp4 == "nvfp4" and t.name in plan.fused:
+        return _fused_outputs(plan, e, device, w)
+    return rtn_outputs(s, w, held=None if s.fp4 else plan.ckpt.lattice(t, s.group_size, w.device))
+
+
+def rtn_outputs(scheme, w: torch.Tensor, gscale: torch.Tensor | None = None, held=None) -> list[torch.Tensor]:
+    """Round-to-nearest of w [out, in] in a 4-bit scheme, as the tensors that replace it; held: an INT4
+    source's lattice (quant/lattice.py), kept where the target's groups hold it."""
+    p = codec.params(scheme, w, gscale, held)
+    return codec.outputs(scheme, codec.rtn_codes(scheme, w, p), p, tuple(w.shape))
+
+
+class _Stash:
+    """The outputs of fused-set members quantized with the first member asked for, until they are asked for."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ready: dict[str, list[torch.Tensor]] = {}
+
+
+stashes: dict[int, _Stash] = {}  # by id of the plan, for one run (dropped by stream.run at its end)
+stashes_lock = threading.Lock()
+
+
+def _fused_outputs(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor) -> list[torch.Tensor]:
+    """NVFP4 outputs of a weight an engine fuses with others (plan.fused): the first member asked for decodes the
+    others (each weight is still read once) and quantizes the whole set under one global scale, from the largest
+    magnitude of any member, as model_free_ptq does for the sets it knows; the others' outputs wait here."""
+    with stashes_lock:
+        stash = stashes.setdefault(id(plan), _Stash())
+    with stash.lock:
+        if e.tensor.name not in stash.ready:
+            members = plan.fused[e.tensor.name]
+            ws = {m: w if m == e.tensor.name else plan.ckpt.decode(plan.ckpt.tensors[m], device).to(plan.ckpt.dtype)
+                  for m in members}
+            shared = fp4.set_global_scale(ws.values())
+            for m, x in ws.items():
+                stash.ready[m] = rtn_outputs(plan.recipe.scheme, x, shared)
+        return stash.ready.pop(e.tensor.name)
+
+
+def write_shard(
+    plan: Plan, index: int, path: Path, device: torch.device, advance: Callable[[int], None],
+    pool: ThreadPoolExecutor | None = None, depth: int = 1, calibrated: Callable | None = None,
+) -> tuple[int, str, dict]:
+    """Write output shard `index`; with a pool, tensors are produced `depth` at a time while this thread writes.
+    `calibrated(entry)` gives the tensors of entries a calibrated engine quantized (None for the others)."""
+    return write_shard_pair(plan, None, index, (path, None), device, advance, pool, depth, calibrated)[0]
+
+
+def write_shard_pair(
+    plan: Plan, prefill: Plan | None, index: int, paths: tuple[Path | None, Path | None], device: torch.device,
+    advance: Callable[[int], None], pool: ThreadPoolExecutor | None = None, depth: int = 1,
+    calibrated: Callable | None = None,
+) -> tuple[tuple | None, tuple | None]:
+    """Shard `index` of both outputs of a pair (tensor_plan.pair: the same source tensors in both), each source
+    tensor read and decoded once for the two; a path of None is a side not written (already finished on a
+    resume, or no prefill plan). Returns (size, sha256, tensors) per side, None for a side not written."""
+    twins = {e.tensor.name: e for e in prefill.shards[index]} if prefill is not None and paths[1] else {}
+    entries = plan.shards[index]
+    writers = [ShardWriter(path, [s for e in p.shards[index] for s in e.outputs]) if path else None
+               for p, path in ((plan, paths[0]), (prefill, paths[1]))]
+
+    def make(e: Entry) -> tuple[list | None, list | None]:
+        twin = twins.get(e.tensor.name)
+        main = (calibrated(e) if calibrated is not None else None) if paths[0] else None
+        need_main = paths[0] is not None and main is None
+        w = None
+        if twin is not None and needs_decode(twin) and (not need_main or needs_decode(e)):
+            w = plan.ckpt.decode(e.tensor, device)
+        if need_main:
+            main = produce(plan, e, device, w if needs_decode(e) else None)
+        return main, (produce(prefill, twin, device, w) if twin is not None else None)
+
+    results = in_order(pool, make, entries, depth) if pool is not None else (make(e) for e in entries)
+    try:
+        for e, made in zip(entries, results, strict=True):
+            for writer, got, entry in zip(writers, made, (e, twins.get(e.tensor.name)), strict=True):
+                if writer is not None and got is not None:
+                    for spec, tensor in zip(entry.outputs, got, strict=True):
+                        writer.write(spec.name, tensor)
+            advance(e.tensor.stored_bytes)
+        return tuple((*w.close(), w.tensors) if w is not None else None for w in writers)
+    except BaseException:
+        for w in writers:
+            if w is not None:
+                w.abort()
+        raise
