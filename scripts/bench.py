@@ -964,6 +964,8 @@ def bench_awq_moe(args) -> dict:
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2-w4a16.yaml"
     data = calibration_text(work).resolve()
     one_core = ["taskset", "-c", str(min(os.sched_getaffinity(0)))] if shutil.which("taskset") else []
+    if args.no_one_core:
+        one_core = []
     runs, outs = {}, {}
     trees = {"new": Path(__file__).resolve().parents[1], **({"old": _old_tree(args.old, work)} if args.old else {})}
     plan = [("gptq", "new", "cpu", []), ("awq", "new", "cpu", []), *([("awq", "new", "cpu", one_core)] if one_core else []),
@@ -1067,8 +1069,9 @@ def main() -> None:
     w = moe_parser("awq-moe", "AWQ vs GPTQ on a MoE: time, RSS, ranks (streamed experts), bytes across ranks", 128,
                    512, 512, 4, 64, 256)
     w.add_argument("--moe-layers", type=int, default=8)
-    w.add_argument("--ranks", type=lambda v: [int(x) for x in v.split(",")], default=[2, 3],
-                   help="rank counts to run AWQ with, e.g. 2,3")
+    w.add_argument("--ranks", type=lambda v: [int(x) for x in v.split(",") if x], default=[2, 3],
+                   help="rank counts to run AWQ with, e.g. 2,3 ('' for none)")
+    w.add_argument("--no-one-core", action="store_true", help="skip AWQ on one rank pinned to one core")
     w.add_argument("--old", help="a git revision whose AWQ to run beside (e.g. the commit before a change)")
     w.add_argument("--skip-gptq", action="store_true")
     w.add_argument("--work", default=".cache/bench")

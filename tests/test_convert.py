@@ -355,3 +355,21 @@ def test_every_option_combination_gets_the_same_verdict_from_the_file_and_from_t
             checked += 1
             refused += written == "refused"
     assert checked >= 80 and 0 < refused < checked, (checked, refused)
+
+def test_convert_is_a_library_call_that_reports_through_events_and_raises_for_a_bad_request(fixtures_dir, tmp_path):
+    """quantize.convert.convert, as release calls it: no CLI, nothing printed; what a user would see comes through
+    Events, the report is returned, and a request that cannot be carried out raises UsageError (exit 2), the same
+    refusal as the command line's, before any output exists."""
+    from quantize.convert import Events, Options, convert
+
+    lines, done = [], []
+    result = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "out", Options(scheme="w4a16", group_size=32),
+                     Events(status=lines.append, converted=lambda n, total: done.append((n, total))))
+    assert result.report["out"] == str(tmp_path / "out") and result.report["shards"] >= 1
+    assert result.stats is None and str(tmp_path / "out") in result.serving  # plain RTN: no calibration stats
+    assert (tmp_path / "out" / "config.json").exists() and done and done[-1][0] == done[-1][1] == result.src_bytes
+    assert any("w4a16 g32" in line for line in lines)
+    with pytest.raises(UsageError, match="FP8 block weights are data-free"):
+        convert(str(fixtures_dir / "llama-bf16"), tmp_path / "fp8", Options(scheme="fp8-block", method="gptq",
+                                                                            calib=str(tmp_path / "none.txt")))
+    assert not (tmp_path / "fp8").exists() and not (tmp_path / "fp8.partial").exists()
