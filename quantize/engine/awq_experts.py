@@ -24,8 +24,9 @@ import torch
 from torch.nn import functional as F
 
 from quantize.engine.activations import release_freed_memory
-from quantize.engine.distributed import GROUPS, broadcast, group_of, recv_any, send_any
-from quantize.engine.experts import LayerExperts, Result, each, expert_bytes, route
+from quantize.engine.distributed import GROUPS, broadcast, cpu_threads, group_of, recv_any, send_any
+from quantize.engine.experts import LayerExperts, Result, expert_bytes, route
+from quantize.engine.ordered import in_order, single_threaded
 from quantize.quant import awq, codec
 
 GATE_UP = ("gate_proj", "up_proj")
@@ -107,17 +108,32 @@ class AWQExperts(LayerExperts):
         """Expert e's weights as the layer computes with them (the compute dtype), as AWQ searches them."""
         return {leaf: w.to(self.s.compute) for leaf, w in self._source(e).items()}
 
+    def _workers(self) -> int:
+        """Chunks at once: one on a GPU; on the CPU this rank's share of the machine's cores. Each chunk runs on
+        one thread (`_each`) and an expert's numbers never depend on its chunk, so the bytes do not follow the
+        number of ranks, and CPU ranks on one machine split its cores instead of oversubscribing them."""
+        return 1 if self.s.device.type == "cuda" else max(1, cpu_threads() // self.s.world)
+
+    def _each(self, fn, chunks: list[list[int]]):
+        """fn of each chunk, in order: on the CPU on `_workers` threads of one torch thread each, even one."""
+        if self.s.device.type == "cuda":
+            yield from map(fn, chunks)
+            return
+        workers = self._workers()
+        with single_threaded(workers) as pool:
+            yield from in_order(pool, fn, chunks, workers + 1)
+
     def _per_group(self, fn, zero: torch.Tensor) -> dict[int, torch.Tensor]:
         """fn(e, weights) of each expert of this rank with a target, added up per group in expert order (float64)."""
         parts = {g: zero.clone() for g in self.groups}
-        workers = 1 if self.s.device.type == "cuda" else max(1, torch.get_num_threads())
+        workers = self._workers()
 
         def chunk(c: list[int]) -> list[torch.Tensor]:
             out = [fn(e, self._in_compute(e)) for e in c]
             self._release(len(c) * expert_bytes(*self._shape(c[0]), self.s.dtype))
             return out
         chunks = list(self._chunks([e for e in self.owned if self.targets.get(e)], workers))
-        for c, values in zip(chunks, each(chunk, chunks, workers), strict=True):
+        for c, values in zip(chunks, self._each(chunk, chunks), strict=True):
             for v in values:  # in expert order: chunks come in order, each of one group
                 parts[group_of(c[0], self.n)] += v
         return parts
@@ -181,8 +197,7 @@ class AWQExperts(LayerExperts):
     # -- each expert: the norm's scales in, its own up -> down search, RTN -----------------------------------------
     def solve(self) -> None:
         """This rank's experts, a chunk at a time (a chunk per core on the CPU), after search_norm."""
-        workers = 1 if self.s.device.type == "cuda" else max(1, torch.get_num_threads())
-        for _ in each(self._solve_chunk, self._chunks(self._work(), workers), workers):
+        for _ in self._each(self._solve_chunk, list(self._chunks(self._work(), self._workers()))):
             pass
         release_freed_memory()
 
