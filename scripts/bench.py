@@ -875,20 +875,26 @@ def _writers_summary(ranks: list[dict], layers: int) -> dict:
                                                      "per_rank_writers": KIMI_LAYER_OUTPUT_BYTES / (8 * rate)}}
 
 
-def bench_moe_ranks(args) -> dict:
-    """1 rank vs 2 gloo ranks, new code vs --old, on a DeepSeek-V3-architecture MoE checkpoint."""
+def _moe_fixture(args, name: str):
+    """(work dir, dims, the synthetic DeepSeek-V3-architecture checkpoint of args' shape, built once, the Kimi
+    recipe, the calibration text) of the MoE benches."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import make_fixture
 
     work = Path(args.work).resolve()
     dims = Dims(hidden=args.hidden, moe_inter=args.moe_inter, inter=2 * args.moe_inter, vocab=make_fixture.VOCAB,
                 heads=args.heads, experts=args.experts)
-    src = work / f"moe-ranks-{args.experts}x{args.hidden}x{args.moe_inter}-{args.moe_layers}moe"
+    src = work / f"{name}-{args.experts}x{args.hidden}x{args.moe_inter}-{args.moe_layers}moe"
     if not (src / "config.json").exists():
         synthetic_kimi(src, dims=dims, n_layers=args.moe_layers + 1, n_shards=2)
         make_fixture.build_tokenizer(src)
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2-w4a16.yaml"
-    data = calibration_text(work).resolve()
+    return work, dims, src, Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2-w4a16.yaml", \
+        calibration_text(work).resolve()
+
+
+def bench_moe_ranks(args) -> dict:
+    """1 rank vs 2 gloo ranks, new code vs --old, on a DeepSeek-V3-architecture MoE checkpoint."""
+    work, dims, src, recipe, data = _moe_fixture(args, "moe-ranks")
 
     def cmd(out: Path, devices: str) -> list[str]:
         return ["convert", str(src), str(out), "--recipe", str(recipe), "--method", "gptq",
@@ -951,18 +957,7 @@ def bench_awq_moe(args) -> dict:
     """AWQ against GPTQ on a DeepSeek-V3-architecture MoE (routed experts streamed, split by expert groups): time
     and peak RSS of GPTQ and AWQ on one rank, AWQ on one rank pinned to one core and on --ranks gloo ranks, the
     bytes of every AWQ run against the one-rank run, and --old's AWQ (experts built whole) beside."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import make_fixture
-
-    work = Path(args.work).resolve()
-    dims = Dims(hidden=args.hidden, moe_inter=args.moe_inter, inter=2 * args.moe_inter, vocab=make_fixture.VOCAB,
-                heads=args.heads, experts=args.experts)
-    src = work / f"awq-moe-{args.experts}x{args.hidden}x{args.moe_inter}-{args.moe_layers}moe"
-    if not (src / "config.json").exists():
-        synthetic_kimi(src, dims=dims, n_layers=args.moe_layers + 1, n_shards=2)
-        make_fixture.build_tokenizer(src)
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2-w4a16.yaml"
-    data = calibration_text(work).resolve()
+    work, dims, src, recipe, data = _moe_fixture(args, "awq-moe")
     one_core = ["taskset", "-c", str(min(os.sched_getaffinity(0)))] if shutil.which("taskset") else []
     if args.no_one_core:
         one_core = []

@@ -51,6 +51,20 @@ SITE = textwrap.dedent('''
                 return build(self, i)
 
             layerwise.LayerwiseQuantizer._build_layer = failing
+        elif force.startswith("awq-raise@"):  # awq-raise@RANK: in the norm's search, between its two exchanges
+            rank = int(force[len("awq-raise@"):])
+            from quantize.engine import awq_experts
+
+            per_group = awq_experts.AWQExperts._per_group
+            calls = []
+
+            def failing_search(self, fn, zero, rank=rank, per_group=per_group, calls=calls):
+                calls.append(1)
+                if self.s.rank == rank and len(calls) == 2:  # the candidates' errors, after w_mean's exchange
+                    raise RuntimeError(f"forced AWQ failure on rank {rank}")
+                return per_group(self, fn, zero)
+
+            awq_experts.AWQExperts._per_group = failing_search
         elif force == "gemm-threads":  # a GEMM whose result depends on the thread count (oneDNN on AMX did)
             import torch
 
@@ -250,3 +264,19 @@ def test_a_prefill_pair_on_two_ranks_gives_both_outputs_of_one(fixtures_dir, tmp
     for side in ("", "-fp8"):
         one, two = shard_bytes(tmp_path / f"one{side}"), shard_bytes(tmp_path / f"two{side}")
         assert one and one == two, side
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_an_awq_rank_failing_between_the_norms_exchanges_ends_every_rank(rank, fixtures_dir, tmp_path):
+    """AWQ's norm before the experts is searched by every rank: w_mean's sums to rank 0 and back, then the
+    candidates' errors. A rank that fails between the two leaves the others in an exchange it never joins
+    (under NCCL: forever). The failure ends every rank within seconds, says what failed, and keeps OUT.partial."""
+    out = tmp_path / "out"
+    p, took = convert([str(fixtures_dir / "kimi-k2-fp8"), str(out), "--recipe", str(RECIPES / "kimi-k2-w4a16.yaml"),
+                       "--method", "awq", "--calib", str(calibration_samples(tmp_path, 16)), "--num-samples", "4",
+                       "--seq-len", "32", "--max-shard-size", "300KB", "--device", "cpu", "--devices", "cpu,cpu",
+                       "--rank-timeout", "1"], forced(tmp_path, f"hang-destroy,awq-raise@{rank}"), timeout=240)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert f"forced AWQ failure on rank {rank}" in p.stderr
+    assert took < 60, took  # not the rank timeout (60 s): nobody waited on anybody
+    assert not out.exists() and out.with_name("out.partial").is_dir()

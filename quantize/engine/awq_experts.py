@@ -78,6 +78,9 @@ class AWQExperts(LayerExperts):
         self.awq, self.bounds = awq_params, bounds
         self.w_cal = torch.empty(self.tokens, self.top_k, dtype=torch.float32)
         self.norm_scales: torch.Tensor | None = None
+        # whether the norm before the experts is smoothed, from the plan alone, so every rank knows it without a
+        # message: set by the loop (layerwise._layer_experts); rank 0's mappings must agree (awq_layer)
+        self.norm_applies = False
         self.searches: dict[int, list[float]] = {}  # this rank's up -> down searches: (ratio, identity, best)
         self.routing = None
 

@@ -78,6 +78,9 @@ def awq_layer(q, layer: nn.Module, i: int, targets: dict[str, Entry], report, mo
     if moe is not None:
         q._deferred(layer).record = None
         moe.share_calibration()
+        if any(b in routed for _, bal in mappings for b in bal) != moe.norm_applies:
+            # the other ranks join the norm's search by the plan's rule: a disagreement would leave them waiting
+            raise AssertionError(f"layer {i}: rank 0's AWQ mappings and the plan disagree on the experts' norm")
         # the norm before the experts first: the other ranks wait for its scales (it shares no module with the
         # attention's mappings, and came before the MLP's own up -> down in any case)
         mappings.sort(key=lambda m: not any(b in routed for b in m[1]))

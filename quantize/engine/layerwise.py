@@ -688,7 +688,7 @@ class LayerwiseQuantizer:
         starts = [0, *itertools.accumulate(p.numel() for p in self.positions)]
         moe = AWQExperts(*args, awq_params=self.recipe.awq, bounds=list(zip(starts, starts[1:], strict=False)))
         # whether the norm before the experts is smoothed: some Linear it feeds is quantized (awq_layer._mappings)
-        patterns = [p for smooth, ps in self.model.arch.awq_norms for p in ps if "experts" in "".join(ps)]
+        patterns = [p for _, ps in self.model.arch.awq_norms for p in ps if "experts" in "".join(ps)]
         moe.norm_applies = any(re.fullmatch(p, m) for p in patterns for m in targets)
         return moe
 
