@@ -282,10 +282,46 @@ def is_glm5(cfg: dict) -> bool:
     return cfg.get("model_type") == "glm_moe_dsa" and cfg.get("num_hidden_layers") == 78 and cfg.get("hidden_size") == 6144
 
 
+# Parameter counts the model cards state, matched by the config fields that identify the release:
+# (what, identifying fields, total, activated per token, where it is stated, how the card counts)
+CARDS = (
+    ("Qwen3-235B-A22B", {"model_type": "qwen3_moe", "num_hidden_layers": 94, "hidden_size": 4096}, 235e9, 22e9,
+     "huggingface.co/Qwen/Qwen3-235B-A22B: 235B in total, 22B activated", "embeddings counted"),
+    ("Qwen3-30B-A3B", {"model_type": "qwen3_moe", "num_hidden_layers": 48, "hidden_size": 2048}, 30.5e9, 3.3e9,
+     "huggingface.co/Qwen/Qwen3-30B-A3B: 30.5B in total, 3.3B activated", "embeddings counted"),
+    ("MiniMax-M2", {"model_type": "minimax_m2", "num_hidden_layers": 62, "hidden_size": 3072}, 230e9, 10e9,
+     "huggingface.co/MiniMaxAI/MiniMax-M2: 230 billion total parameters with 10 billion active", "no embeddings"),
+    ("Mixtral-8x7B", {"model_type": "mixtral", "num_hidden_layers": 32, "hidden_size": 4096}, 46.7e9, 12.9e9,
+     "Jiang et al., Mixtral of Experts (arXiv:2401.04088): 47B parameters, 13B active (46.7B / 12.9B on "
+     "mistral.ai)", "embeddings counted"),
+    ("DeepSeek-V3.2", {"model_type": "deepseek_v32", "num_hidden_layers": 61, "hidden_size": 7168}, 685e9, 37e9,
+     "huggingface.co/deepseek-ai/DeepSeek-V3.2: 685B (DeepSeek-V3's card: 671B main model + 14B MTP module), "
+     "37B activated", "no embeddings"),
+)
+
+
+def parameter_claims(cfg: dict, source: list[Weight]) -> list[Claim]:
+    """The card's total and activated parameters against this config's tensors: every weight for the total, and per
+    token the routed experts' top_k / n share of theirs (the MTP layers aside; embeddings as the card counts)."""
+    out = []
+    for what, fields, total, active, where, counting in CARDS:
+        if any(cfg.get(k) != v for k, v in fields.items()):
+            continue
+        n_experts = cfg.get("n_routed_experts") or cfg.get("num_experts") or cfg.get("num_local_experts") or 1
+        share = int(cfg.get("num_experts_per_tok") or 1) / int(n_experts)
+        numel = {w.name: math.prod(w.shape) for w in source}
+        count = {w.name: numel[w.name] * (share if w.role.kind == "expert" else 1) for w in source
+                 if w.role.kind != "mtp" and (w.role.kind not in ("embedding", "lm_head") or counting != "no embeddings")}
+        out += [Claim(f"{what} parameters", total / 1e9, sum(numel.values()) / 1e9, "B", 0.02, where),
+                Claim(f"{what} activated parameters per token", active / 1e9, sum(count.values()) / 1e9, "B", 0.03,
+                      f"{where} ({counting})")]
+    return out
+
+
 def published_claims(cfg: dict, source: list[Weight], int4_experts_all: list[Weight] | None,
                      int4_recipe: list[Weight] | None) -> list[Claim]:
     """The figures published for these models, recomputed from this config."""
-    claims = []
+    claims = parameter_claims(cfg, source)
     if is_kimi_k2(cfg):
         budget = 44.9 * GIB
         bf16, fp8 = kv_per_token(cfg, 2).bytes_per_token, kv_per_token(cfg, 1).bytes_per_token

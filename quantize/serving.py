@@ -15,8 +15,10 @@ MTP_FLAG = {VLLM: "--speculative-config '{\"method\": \"mtp\", \"num_speculative
 NO_SHARED_FUSION = "--disable-shared-experts-fusion"
 # tensors SGLang and vLLM keep whole on every TP rank: MLA down-projections, the DSA indexer, MTP's eh_proj, router
 REPLICATED = re.compile(r"(q_a_proj|kv_a_proj_with_mqa|\.indexer\.|eh_proj|mlp\.gate\.)")
-# SGLang builds RadixAttention with the quant config (so it loads KV scales) in these GQA models only
-SGLANG_GQA_KV_SCALES = ("llama", "qwen2")
+# SGLang builds RadixAttention with the quant config (so it loads KV scales) in these GQA models only: llama.py
+# (Llama, and Mistral and Phi-3 through it), qwen2.py, mixtral.py, minimax_m2.py, gemma2.py, gemma3_causal.py; not
+# glm4_moe.py, qwen3.py, qwen3_moe.py
+SGLANG_GQA_KV_SCALES = ("llama", "qwen2", "mistral", "phi3", "mixtral", "minimax_m2", "gemma2", "gemma3_text")
 
 
 def kv_scale_names(prefix: str, layer: int, mla: bool) -> tuple[str, str]:
@@ -27,12 +29,19 @@ def kv_scale_names(prefix: str, layer: int, mla: bool) -> tuple[str, str]:
     return (base + "k_proj.k_scale", base + "v_proj.v_scale") if mla else (base + "k_scale", base + "v_scale")
 
 
+# the families with DeepSeek Sparse Attention: both engines build their indexer with one module (vLLM
+# model_executor/models/deepseek_v2.py Indexer, for DeepseekV32ForCausalLM and GlmMoeDsaForCausalLM alike; SGLang
+# srt/layers/attention/dsa/dsa_indexer.py)
+DSA = ("glm_moe_dsa", "deepseek_v32")
+
+
 def keep_float(family: str, module: str, fp8: bool) -> str | None:
     """Why both engines need this Linear in the model's dtype under the scheme (FP8 blocks or INT4), or None.
 
-    GLM-5's DSA indexer: vLLM fuses `wk` and `weights_proj` into one Linear built without a quant config and
-    dequantizes only an FP8 `wk` into it; SGLang builds `weights_proj` in bf16 without a quant config."""
-    if family != "glm_moe_dsa":
+    The DSA indexer (GLM-5, DeepSeek-V3.2): vLLM fuses `wk` and `weights_proj` into one Linear built without a
+    quant config and dequantizes only an FP8 `wk` into it; SGLang builds `weights_proj` in bf16 without a quant
+    config."""
+    if family not in DSA:
         return None
     if module.endswith("self_attn.indexer.weights_proj"):
         return "the engines build the DSA indexer's weights_proj unquantized (vLLM fuses it with wk)"
@@ -43,7 +52,7 @@ def keep_float(family: str, module: str, fp8: bool) -> str | None:
 
 def engine_ignore(family: str, fp8: bool) -> tuple[str, ...]:
     """compressed-tensors ignore patterns for what keep_float leaves in the model's dtype."""
-    if family != "glm_moe_dsa":
+    if family not in DSA:
         return ()
     return (r"re:.*self_attn\.indexer\.weights_proj$",) + (() if fp8 else (r"re:.*self_attn\.indexer\.wk$",))
 

@@ -115,7 +115,8 @@ def quantized_specs(name: str, shape: tuple[int, ...], recipe: Recipe, scale_dty
 # in CompressedTensorsW4A4Fp4.process_weights_after_loading, the gate's for an expert's w13 in
 # CompressedTensorsW4A4Nvfp4MoEMethod.process_weights_after_loading): attention's q/k/v (qkv_proj), MLA's q_a and
 # kv_a (DeepSeek-V2's fused_qkv_a_proj, when q_lora_rank is set), and every gate/up pair (gate_up_proj, w13).
-FUSED = (("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
+FUSED = (("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"),
+         ("w1", "w3"))  # Mixtral's and MiniMax-M2's expert gate and up
 
 
 def fused_sets(names: list[str]) -> dict[str, tuple[str, ...]]:
@@ -149,17 +150,43 @@ def moe_tp_ok(model: arch.Model, group_size: int, tp: int) -> bool:
     return model.hidden_size % 128 == 0 and (inter // tp) % max(64, group_size) == 0
 
 
-def dense_tp_ok(entries: list[Entry], group_size: int, tp: int) -> bool:
-    """Marlin dense: per-rank out % 64 and in % 128 (in % group_size) for column- and row-parallel Linears."""
+def attention_tp_ok(model: arch.Model, tp: int) -> bool:
+    """vLLM and SGLang split attention by heads: num_attention_heads % tp == 0, and the KV heads split evenly or,
+    at tp above their number, replicate (tp % kv_heads == 0); MLA's latent is replicated whole."""
+    cfg = model.text_config
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    if not heads or heads % tp:
+        return False
+    return bool(cfg.get("kv_lora_rank")) or (kv % tp == 0 if kv >= tp else tp % kv == 0)
+
+
+def dense_tp_ok(entries: list[Entry], group_size: int, tp: int, model: arch.Model | None = None) -> bool:
+    """Marlin dense: per-rank out % 64 and in % 128 (in % group_size) for column- and row-parallel Linears.
+
+    A fused Linear stored whole (Phi-3's qkv_proj, gate_up_proj) is split by the engines part by part (vLLM
+    QKVParallelLinear / MergedColumnParallelLinear weight_loader with no shard id): qkv_proj's rank holds
+    heads / tp query heads and max(1, kv_heads / tp) key and value heads; gate_up_proj's each half / tp."""
+    cfg = model.text_config if model is not None else {}
     for e in entries:
         if e.action not in ("quantize", "passthrough") or e.role.kind == "expert":
             continue
         out_f, in_f = e.tensor.shape
-        row_parallel = e.role.module.endswith(("o_proj", "down_proj"))
+        row_parallel = e.role.leaf in ("o_proj", "down_proj")
         if row_parallel:
             if in_f % tp or (in_f // tp) % 128 or (in_f // tp) % group_size or out_f % 64:
                 return False
-        elif out_f % tp or (out_f // tp) % 64 or in_f % 128:
+            continue
+        if e.role.leaf == "qkv_proj" and cfg.get("num_attention_heads"):
+            heads = cfg["num_attention_heads"]
+            kv = cfg.get("num_key_value_heads") or heads
+            head_dim = out_f // (heads + 2 * kv)
+            per_rank = (heads // tp + 2 * max(1, kv // tp)) * head_dim
+            if heads % tp or per_rank % 64 or in_f % 128:
+                return False
+            continue
+        if e.role.leaf == "gate_up_proj" and (out_f // 2) % tp:
+            return False
+        if out_f % tp or (out_f // tp) % 64 or in_f % 128:
             return False
     return True
 
@@ -179,7 +206,7 @@ def fp8_block_tp_ok(model: arch.Model, entries: list[Entry], tp: int, block: int
                 return False
             continue
         out_f, in_f = e.tensor.shape
-        split = in_f if e.role.module.endswith(("o_proj", "down_proj")) else out_f
+        split = in_f if e.role.leaf in ("o_proj", "down_proj") else out_f
         if split % tp or (split // tp) % block:
             return False
     return True
@@ -202,6 +229,9 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
           device: str = "cpu") -> Plan:
     """Decide every tensor's fate and the output shards; raise before anything is written if it cannot work."""
     model = arch.resolve(ckpt.config, list(ckpt.tensors))
+    if recipe.method == "awq" and model.arch.no_awq:
+        raise UsageError(f"--method awq cannot run on {model.model_type}: {model.arch.no_awq}; use --method gptq "
+                         "or rtn")
     layout.check(model, {n: t.shape for n, t in ckpt.tensors.items()}, {n: t.main.path.name for n, t in ckpt.tensors.items()})
     dtype = DTYPE_NAMES[ckpt.dtype]
     g = recipe.scheme.group_size
@@ -264,7 +294,8 @@ def build(ckpt: Checkpoint, recipe: Recipe, max_shard_size: int, tp: int | None 
     elif experts_quantized:
         served = [n for n in TP_SIZES if moe_tp_ok(model, g, n)]
     else:
-        served = [n for n in TP_SIZES if dense_tp_ok(entries, g, n)]
+        served = [n for n in TP_SIZES if dense_tp_ok(entries, g, n, model)]
+    served = [n for n in served if attention_tp_ok(model, n)]
     if tp is not None and tp not in served:
         if recipe.scheme.fp8_block:
             raise UsageError(f"--tp {tp} cannot serve this FP8 block output: some rank's slice of a Linear would not "

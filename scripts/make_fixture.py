@@ -16,6 +16,16 @@ checkpoint layout (experts unfused), then re-encoded the way the real releases a
   glm4-moe-fp8   the same as compressed-tensors float-quantized FP8 (per-channel), as GLM FP8 releases
   glm5-bf16      GLM-5 (GlmMoeDsa) BF16 with the DSA indexer
   llama-bf16     a dense Llama
+  deepseek-v32-fp8  DeepSeek-V3.2 (deepseek_v32): V3's FP8 blocks and MTP layer plus the DSA indexer, whose
+                 weights_proj is stored BF16 (wq_b and wk FP8), as the release stores it
+  qwen3-moe-fp8  Qwen3-235B-A22B-FP8 style: q/k norms, no shared expert, a dense layer (mlp_only_layers), FP8
+                 128x128 blocks with weight_scale_inv, the router (mlp.gate) BF16
+  minimax-m2-fp8 MiniMax-M2: block_sparse_moe.experts.E.w1/w2/w3, the router's correction bias on the block
+                 (float32), q/k norms over all heads, partial rotary (rotary_dim), FP8 blocks
+  mixtral-bf16   Mixtral-style experts (block_sparse_moe.experts.E.w1/w2/w3), BF16
+  gemma3-bf16, phi3-bf16, mistral-bf16
+                 dense decoders no family file declares: Gemma 3's text model (sliding and full attention
+                 layers, (1 + weight) norms, a scaled embedding), Phi-3 (fused qkv_proj and gate_up_proj), Mistral
 """
 
 import argparse
@@ -71,6 +81,15 @@ MLA = dict(q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_
            n_group=1, topk_group=1)
 
 
+# dense decoders that no family file declares, built from transformers' own classes by quantize/arch/generic.py
+DENSE = {"gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+         "mistral": ("MistralConfig", "MistralForCausalLM")}
+
+# GQA MoE families (Qwen3-MoE, MiniMax-M2, Mixtral): 8 experts of 128, top 2, head_dim 64
+GQA_MOE = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=64, num_experts_per_tok=2, max_position_embeddings=512, tie_word_embeddings=False)
+
+
 def _hf_checkpoint(kind: str, seed: int) -> tuple[dict[str, torch.Tensor], dict]:
     """A random-init model of the family, saved by transformers (checkpoint layout), read back as tensors."""
     import transformers
@@ -89,6 +108,32 @@ def _hf_checkpoint(kind: str, seed: int) -> tuple[dict[str, torch.Tensor], dict]
             index_topk=8, mlp_layer_types=["dense", "sparse", "sparse"],
         )
         model = transformers.GlmMoeDsaForCausalLM(cfg)
+    elif kind == "deepseek_v32":
+        cfg = transformers.DeepseekV32Config(**MOE, **MLA, index_head_dim=64, index_n_heads=2, index_topk=8)
+        model = transformers.DeepseekV32ForCausalLM(cfg)
+    elif kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**GQA_MOE, num_experts=8, moe_intermediate_size=128, intermediate_size=512,
+                                          mlp_only_layers=[0], norm_topk_prob=True)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    elif kind == "minimax_m2":
+        cfg = transformers.MiniMaxM2Config(**GQA_MOE, num_local_experts=8, intermediate_size=128,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                            "partial_rotary_factor": 0.5})
+        model = transformers.MiniMaxM2ForCausalLM(cfg)
+    elif kind == "mixtral":
+        cfg = transformers.MixtralConfig(**{**GQA_MOE, "num_hidden_layers": 2}, num_local_experts=8,
+                                         intermediate_size=128)
+        model = transformers.MixtralForCausalLM(cfg)
+    elif kind in DENSE:  # dense decoders of no declared family (quantize/arch/generic.py)
+        config_cls, lm_cls = DENSE[kind]
+        extra = {"gemma3_text": dict(head_dim=64, sliding_window=16, layer_types=["sliding_attention", "full_attention"],
+                                     query_pre_attn_scalar=64),
+                 "phi3": dict(pad_token_id=0, bos_token_id=1, eos_token_id=2),
+                 "mistral": dict(head_dim=64, sliding_window=4096)}[kind]
+        cfg = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=256, intermediate_size=512,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=512, tie_word_embeddings=False, **extra)
+        model = getattr(transformers, lm_cls)(cfg)
     elif kind == "llama":
         cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -134,7 +179,28 @@ def _add_mtp(tensors: dict[str, torch.Tensor], n_layers: int, seed: int) -> None
 
 def _is_linear_weight(name: str, t: torch.Tensor) -> bool:
     leaf = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
-    return t.ndim == 2 and (leaf.endswith("_proj") or leaf in ("kv_a_proj_with_mqa", "wq_b", "wk", "weights_proj"))
+    return t.ndim == 2 and (leaf.endswith("_proj") or leaf in ("kv_a_proj_with_mqa", "wq_b", "wk", "weights_proj",
+                                                               "w1", "w2", "w3"))
+
+
+def fp8_blocks(family: str, seed: int, mtp: bool, bf16: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """A family's checkpoint as DeepSeek-style FP8 releases store it: every Linear weight (but lm_head, the router
+    and the names ending in `bf16`) as e4m3 128x128 blocks with a float32 weight_scale_inv."""
+    from quantize.quant.fp8 import quantize_block
+
+    tensors, config = _hf_checkpoint(family, seed)
+    if mtp:
+        _add_mtp(tensors, config["num_hidden_layers"], seed + 1)
+        config["num_nextn_predict_layers"] = 1
+    stored: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if _is_linear_weight(name, t) and not name.endswith(bf16):
+            stored[name], stored[name + "_scale_inv"] = quantize_block(t.float())
+        else:
+            stored[name] = t
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    return stored, config
 
 
 def _write_shards(out: Path, tensors: dict[str, torch.Tensor], n_shards: int, move: dict[str, int] | None = None) -> None:
@@ -270,6 +336,38 @@ def glm4_moe(out: Path, fp8: bool = False, seed: int = 0) -> Path:
     return out
 
 
+def deepseek_v32_fp8(out: Path, seed: int = 0) -> Path:
+    stored, config = fp8_blocks("deepseek_v32", seed, mtp=True, bf16=("indexer.weights_proj.weight",))
+    config.update(architectures=["DeepseekV32ForCausalLM"])
+    out.mkdir(parents=True, exist_ok=True)
+    _write_shards(out, stored, 3)
+    _write_config(out, config)
+    return out
+
+
+def qwen3_moe_fp8(out: Path, seed: int = 0) -> Path:
+    stored, config = fp8_blocks("qwen3_moe", seed, mtp=False)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_shards(out, stored, 2)
+    _write_config(out, config)
+    return out
+
+
+def minimax_m2_fp8(out: Path, seed: int = 0) -> Path:
+    """As MiniMaxAI/MiniMax-M2 ships: the release's config spells partial rotary as rotary_dim (64 of head_dim
+    128) and names 3 MTP modules whose weights the release does not hold."""
+    stored, config = fp8_blocks("minimax_m2", seed, mtp=False)
+    rope = config.pop("rope_parameters")
+    config.update(rope_theta=rope["rope_theta"], rotary_dim=config["head_dim"] // 2, use_routing_bias=True,
+                  scoring_func="sigmoid", use_qk_norm=True, qk_norm_type="per_layer", num_mtp_modules=3,
+                  mtp_transformer_layers=1, bos_token_id=1, eos_token_id=2)
+    config["quantization_config"]["modules_to_not_convert"] = ["gate", "e_score_correction_bias", "lm_head"]
+    out.mkdir(parents=True, exist_ok=True)
+    _write_shards(out, stored, 2)
+    _write_config(out, config)
+    return out
+
+
 def plain(out: Path, kind: str, n_shards: int, seed: int = 0) -> Path:
     """The checkpoint as transformers saves it (BF16), in `n_shards` shards."""
     tensors, config = _hf_checkpoint(kind, seed)
@@ -286,6 +384,13 @@ BUILDERS = {
     "glm4-moe-fp8": lambda out: glm4_moe(out, fp8=True),
     "glm5-bf16": lambda out: plain(out, "glm_moe_dsa", 2),
     "llama-bf16": lambda out: plain(out, "llama", 1),
+    "deepseek-v32-fp8": deepseek_v32_fp8,
+    "qwen3-moe-fp8": qwen3_moe_fp8,
+    "minimax-m2-fp8": minimax_m2_fp8,
+    "mixtral-bf16": lambda out: plain(out, "mixtral", 2),
+    "gemma3-bf16": lambda out: plain(out, "gemma3_text", 1),
+    "phi3-bf16": lambda out: plain(out, "phi3", 1),
+    "mistral-bf16": lambda out: plain(out, "mistral", 1),
 }
 
 

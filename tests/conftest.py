@@ -18,6 +18,13 @@ RECIPE_FOR = {
     "glm4-moe-fp8": "glm-w4a16",
     "glm5-bf16": "glm-w4a16",
     "llama-bf16": "dense-w4a16",
+    "deepseek-v32-fp8": "moe-w4a16",
+    "qwen3-moe-fp8": "moe-w4a16",
+    "minimax-m2-fp8": "moe-w4a16",
+    "mixtral-bf16": "moe-w4a16",
+    "gemma3-bf16": "dense-w4a16",
+    "phi3-bf16": "dense-w4a16",
+    "mistral-bf16": "dense-w4a16",
 }
 
 

@@ -49,11 +49,10 @@ class WholeExperts(torch.nn.ModuleList):
 
     def __init__(self, q: LayerwiseQuantizer, i: int, act_fn):
         super().__init__()
-        prefix = f"{q.model.prefix}model.layers.{i}.mlp.experts."
-        for e in range(q.config.n_routed_experts):
+        for e in range(q.model.n_routed_experts):
             m = torch.nn.Module()
-            for leaf in ("gate_proj", "up_proj", "down_proj"):
-                w = q._decode(f"{prefix}{e}.{leaf}.weight").float()
+            for leaf in ("gate_proj", "up_proj", "down_proj"):  # stored as the family names them (Mixtral: w1)
+                w = q._decode(q.model.stored_name(i, f"mlp.experts.{e}.{leaf}.weight")).float()
                 lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
                 lin.weight.data = w
                 setattr(m, leaf, lin)
@@ -70,7 +69,8 @@ class WholeExperts(torch.nn.ModuleList):
         return out
 
 
-@pytest.mark.parametrize("kind", ["llama-bf16", "kimi-k2-fp8", "glm5-bf16", "glm4-moe-bf16"])
+@pytest.mark.parametrize("kind", ["llama-bf16", "kimi-k2-fp8", "glm5-bf16", "glm4-moe-bf16", "deepseek-v32-fp8",
+                                  "qwen3-moe-fp8", "minimax-m2-fp8", "mixtral-bf16", "mistral-bf16", "phi3-bf16"])
 def test_smoothing_every_mapping_leaves_the_float_layer_unchanged(kind, fixtures_dir, tmp_path):
     """Random scales through every mapping the engine finds: a consumer left out (router, indexer) would show."""
     r = recipe.from_dict({"method": "awq", "scheme": {"group_size": 32}, "targets": ["Linear"], "ignore": ["lm_head"]}, "t")
@@ -108,8 +108,11 @@ def test_smoothing_every_mapping_leaves_the_float_layer_unchanged(kind, fixtures
         if plan.model.arch.moe and i >= 1:
             assert "post_attention_layernorm" in smooths
             bal = dict(mappings)["post_attention_layernorm"]
-            assert "mlp.gate" in bal and "mlp.experts.7.up_proj" in bal and "mlp.shared_experts.gate_proj" in bal
-        if kind == "glm5-bf16":
+            assert "mlp.gate" in bal and "mlp.experts.7.up_proj" in bal
+            assert "mlp.shared_experts.gate_proj" in bal or "n_shared_experts" not in plan.model.text_config
+        if plan.model.arch.family == "dense":  # traced from the class (arch/generic.py), not declared
+            assert {"input_layernorm", "post_attention_layernorm"} <= smooths
+        if kind in ("glm5-bf16", "deepseek-v32-fp8"):
             assert "self_attn.indexer.wk" in dict(mappings)["input_layernorm"]
             assert "self_attn.indexer.wq_b" in dict(mappings)["self_attn.q_a_layernorm"]
 
@@ -229,7 +232,7 @@ def test_awq_streams_the_routed_experts_a_chunk_at_a_time(fixtures_dir, tmp_path
     source = routed.LayerExperts._source
 
     def counted(self, e):
-        decoded[(self.prefix, e)] += 1
+        decoded[(self.weight_name(e, "gate_proj"), e)] += 1
         return source(self, e)
     monkeypatch.setattr(routed.LayerExperts, "_source", counted)
     build_layer = LayerwiseQuantizer._build_layer

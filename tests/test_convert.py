@@ -118,7 +118,9 @@ def _load(folder):
     return AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("kind", ["kimi-k2-fp8", "glm4-moe-bf16", "glm4-moe-fp8", "glm5-bf16", "llama-bf16"])
+@pytest.mark.parametrize("kind", ["kimi-k2-fp8", "glm4-moe-bf16", "glm4-moe-fp8", "glm5-bf16", "llama-bf16",
+                                  "deepseek-v32-fp8", "qwen3-moe-fp8", "minimax-m2-fp8", "mixtral-bf16",
+                                  "gemma3-bf16", "phi3-bf16", "mistral-bf16"])
 def test_converted_fixture_loads_in_transformers_and_matches_fake_quant(kind, fixtures_dir, converted, tmp_path):
     model, info = _load(converted[kind])
     n_layers = config_of(converted[kind])["num_hidden_layers"]
@@ -131,7 +133,7 @@ def test_converted_fixture_loads_in_transformers_and_matches_fake_quant(kind, fi
         got, want = model(ids).logits, ref(ids).logits
     assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=0), (got - want).abs().max()
     # and the quantization is real: the unquantized source gives different logits
-    src, _ = _load(fixtures_dir / kind) if kind != "glm4-moe-fp8" and kind != "kimi-k2-fp8" else (None, None)
+    src, _ = _load(fixtures_dir / kind) if not kind.endswith("-fp8") else (None, None)
     if src is not None:
         with torch.no_grad():
             assert not torch.allclose(src(ids).logits.float(), got.float(), atol=1e-3)

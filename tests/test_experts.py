@@ -48,7 +48,8 @@ def test_deferred_experts_plus_the_routed_output_are_the_moe_block():
     prefix = "model.layers.1.mlp.experts."
     setting = experts.Setting(_Source(moe, prefix), torch.device("cpu"), torch.float32, torch.float32,
                               SimpleNamespace(group_size=32), None, Calibration())
-    work = experts.LayerExperts(setting, prefix, config.n_routed_experts, {}, h.shape[0] * h.shape[1], 64,
+    work = experts.LayerExperts(setting, lambda e, leaf: f"{prefix}{e}.{leaf}.weight", config.n_routed_experts, {},
+                                h.shape[0] * h.shape[1], 64,
                                 config.num_experts_per_tok, moe.experts.act_fn,
                                 lambda rows, width, dtype: activations.TokenBuffer("cpu", torch.device("cpu"), None,
                                                                                    rows, width, dtype))
@@ -94,7 +95,7 @@ def test_every_expert_is_solved_in_the_same_stack_on_any_number_of_ranks(monkeyp
     def stacks(rank: int, world: int) -> list[list[int]]:
         setting = experts.Setting(_Source(moe, prefix), torch.device("cpu"), torch.float32, torch.float32,
                                   SimpleNamespace(group_size=32), None, Calibration(), world, rank)
-        work = experts.LayerExperts(setting, prefix, 40, {}, 8, 64, 4, moe.experts.act_fn,
+        work = experts.LayerExperts(setting, lambda e, leaf: f"{prefix}{e}.{leaf}.weight", 40, {}, 8, 64, 4, moe.experts.act_fn,
                                     lambda rows, width, dtype: activations.TokenBuffer("cpu", torch.device("cpu"),
                                                                                        None, rows, width, dtype))
         return list(work._chunks(work.owned))

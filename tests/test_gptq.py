@@ -194,6 +194,8 @@ RANK_CASES = {
     # FP4 codes and NVFP4 activations: the experts' results (codes, e4m3 and global scales) travel between ranks as
     # INT4's do, and the dense inputs' amax is the max over the ranks' samples
     "kimi nvfp4 (w4a4), 2 ranks": ("kimi-k2-fp8", ["--scheme", "nvfp4"], "cpu,cpu"),
+    # Mixtral's names (block_sparse_moe.experts.E.w1/w3/w2): each rank decodes and writes its experts under them
+    "mixtral experts, 2 ranks": ("mixtral-bf16", ["--recipe", str(RECIPES / "moe-w4a16.yaml")], "cpu,cpu"),
 }
 
 

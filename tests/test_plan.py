@@ -112,3 +112,32 @@ def test_budget_from_gpu_memory_and_bad_layouts(fixtures_dir):
     assert sc.tokens == 0  # ~120 GiB of FP8 weights per GPU do not fit in 50: nothing left for KV
     r = CliRunner().invoke(main, ["plan", str(DATA / "kimi-k2-instruct-config.json"), "--gpus", "8", "--tp", "4"])
     assert r.exit_code == 2 and "--gpus 8 is not --tp 4 x --dp 1" in r.output
+
+
+# (config, the family's KV bytes per token at TP 1 in BF16, its formula)
+FAMILY_KV = {
+    "qwen3-235b-a22b-fp8-config.json": (2 * 4 * 128 * 94 * 2, "gqa"),
+    "minimax-m2-config.json": (2 * 8 * 128 * 62 * 2, "gqa"),
+    "mixtral-8x7b-config.json": (2 * 8 * 128 * 32 * 2, "gqa"),
+    "deepseek-v32-fp8-config.json": ((512 + 64) * 61 * 2 + (128 + 4) * 61, "dsa"),  # the indexer's cache stays FP8
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILY_KV))
+def test_each_familys_published_config_gives_its_cards_parameters_and_its_kv_bytes(name):
+    """The cards' totals and activated parameters (plan.CARDS cites each) follow from the configs' tensors as
+    transformers builds them, within 2% and 3%; KV bytes per token by attention kind, GQA heads split by TP up to
+    their number; an INT4 routed-experts recipe leaves every family's attention and router as the source stores
+    them."""
+    cfg = json.loads((DATA / name).read_text())
+    kv, kind = FAMILY_KV[name]
+    got = plan.kv_per_token(cfg, 2)
+    assert (got.bytes_per_token, got.kind) == (kv, kind)
+    if kind == "gqa":
+        heads = cfg["num_key_value_heads"]
+        assert plan.kv_per_token(cfg, 1, tp=heads).bytes_per_token == kv // 2 // heads
+    report = run_plan(DATA / name, "--weights", RECIPES / "moe-w4a16.yaml", "--gpus", "8", "--tp", "8")
+    claims = {c["what"]: c for c in report["claims"]}
+    assert len(claims) == 2 and all(c["holds"] for c in claims.values()), claims
+    src, int4 = report["scenarios"][0], report["scenarios"][-1]
+    assert int4["weights_total_gib"] < src["weights_total_gib"]

@@ -28,15 +28,18 @@ def names_of(folder):
     return list(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"])
 
 
+@pytest.mark.parametrize("kind", ["glm5-bf16", "deepseek-v32-fp8"])
 @pytest.mark.parametrize("scheme", [["--scheme", "fp8-block"], ["--scheme", "w4a16", "--group-size", "64"]])
-def test_glm5_indexer_weights_proj_stays_bf16_and_wk_is_fp8_or_bf16(scheme, fixtures_dir, tmp_path):
-    """vLLM model_executor/models/deepseek_v2.py: Indexer.__init__ fuses wk and weights_proj into
+def test_dsa_indexer_weights_proj_stays_bf16_and_wk_is_fp8_or_bf16(kind, scheme, fixtures_dir, tmp_path):
+    """GLM-5 and DeepSeek-V3.2 alike (vLLM registry.py serves GlmMoeDsaForCausalLM and DeepseekV32ForCausalLM from
+    models/deepseek_v32.py on deepseek_v2.py's Indexer; SGLang's from dsa_indexer.py). vLLM
+    model_executor/models/deepseek_v2.py: Indexer.__init__ fuses wk and weights_proj into
     `wk_weights_proj`, a MergedColumnParallelLinear with quant_config=None, and `_try_load_fp8_indexer_wk`
     dequantizes only an FP8 wk into it; a weights_proj.weight_scale has no parameter to land in. SGLang
     srt/layers/attention/dsa/dsa_indexer.py: weights_proj is a bf16 ReplicatedLinear without a quant config. So
     weights_proj stays BF16 under every scheme, wk may be FP8 but never INT4, and both are in the ignore list
     exactly when kept float (compressed-tensors' own matcher decides)."""
-    r = CliRunner().invoke(main, ["convert", str(fixtures_dir / "glm5-bf16"), str(tmp_path / "o"), *scheme])
+    r = CliRunner().invoke(main, ["convert", str(fixtures_dir / kind), str(tmp_path / "o"), *scheme])
     assert r.exit_code == 0, r.output
     out, qc = read_all(tmp_path / "o"), config_of(tmp_path / "o")["quantization_config"]
     fp8 = "fp8-block" in scheme
@@ -155,6 +158,33 @@ def test_glm45_kv_scales_are_read_by_vllm_and_dropped_by_sglang_which_the_matrix
     assert "without the quant config" in sglang_kv.notes[0] and "--kv-cache-dtype fp8_e4m3" in sglang_kv.flags
     (llama_kv,) = rows_by(serving.matrix(*with_kv(converted["llama-bf16"], False, "ours")), S, "FP8 KV")
     assert llama_kv.loads and not llama_kv.notes
+
+
+@pytest.mark.parametrize("kind,sglang_reads", [("mixtral-bf16", True), ("minimax-m2-fp8", True),
+                                               ("qwen3-moe-fp8", False)])
+def test_sglang_reads_gqa_kv_scales_in_mixtral_and_minimax_m2_not_qwen3_moe(kind, sglang_reads, converted):
+    """SGLang srt/models/mixtral.py MixtralAttention and minimax_m2.py MiniMaxM2Attention build RadixAttention
+    with quant_config=quant_config (k_scale / v_scale parameters exist and load); qwen3_moe.py Qwen3MoeAttention
+    builds it without (dropped, FP8 cache at 1.0). vLLM reads `self_attn.k_scale` for all three (GQA)."""
+    rows = serving.matrix(*with_kv(converted[kind], False, "ours"))
+    (vllm_kv,), (sglang_kv,) = rows_by(rows, V, "FP8 KV"), rows_by(rows, S, "FP8 KV")
+    assert vllm_kv.loads and not vllm_kv.notes
+    assert (sglang_kv.loads and not sglang_kv.notes) == sglang_reads
+    if not sglang_reads:
+        assert "without the quant config" in sglang_kv.notes[0]
+
+
+def test_mixtral_style_experts_keep_the_release_names_both_engines_load_natively(converted):
+    """vLLM model_executor/models/mixtral.py and minimax_m2.py build FusedMoE with ckpt_names=("w1", "w2", "w3");
+    MixtralModel.hf_to_vllm_mapper also maps gate_proj/up_proj/down_proj onto them, MiniMaxM2Model's does not (so
+    an output that renamed MiniMax-M2's experts, as llm-compressor 0.14's does, would leave them unloaded). SGLang
+    srt/models/mixtral.py and minimax_m2.py read w1/w2/w3. Our outputs keep the release's w1/w3/w2."""
+    for kind in ("mixtral-bf16", "minimax-m2-fp8"):
+        names = names_of(converted[kind])
+        experts = [n for n in names if ".experts." in n and n.endswith(".weight_packed")]
+        assert experts and all(n.split(".experts.")[0].endswith("block_sparse_moe") for n in experts)
+        assert {n.rsplit(".", 2)[1] for n in experts} == {"w1", "w2", "w3"}
+        assert all(r.loads for r in serving.matrix_of(converted[kind]))
 
 
 ENGINE_COMPRESSED_TENSORS = {"0.17.0": "vLLM 0.33.0", "0.18.0": "SGLang 0.5.23"}

@@ -91,14 +91,17 @@ def shapes(model: arch.Model) -> dict[str, tuple[int, ...]]:
             out += [(f"{base}{e}.down_proj.weight", shape[1:]) for e in range(shape[0])]
         else:
             out.append((name, shape))
+    out = [(model.stored_of(name), shape) for name, shape in out]  # Mixtral's block_sparse_moe.experts.E.w1
     n, hidden = model.num_hidden_layers, model.hidden_size
     last = f"model.layers.{n - 1}."
-    for k in range(model.num_mtp_layers):
+    # DeepSeek-style MTP layers (num_nextn_predict_layers); MiniMax-M2's MTP modules are not transformers' and are
+    # carried as stored
+    for k in range(int(model.text_config.get("num_nextn_predict_layers") or 0)):
         mtp = f"model.layers.{n + k}."
         out += [(mtp + name[len(last):], shape) for name, shape in out if name.startswith(last)]
         out += [(mtp + "eh_proj.weight", (hidden, 2 * hidden)), (mtp + "enorm.weight", (hidden,)),
                 (mtp + "hnorm.weight", (hidden,)), (mtp + "shared_head.norm.weight", (hidden,))]
-        if model.arch.family != "glm_moe_dsa":
+        if model.arch.mtp_own_head:
             # DeepSeek-V3 (model.layers.61: 1.73 GB of head alone) and GLM-4.5 store the MTP layer's own copies of
             # the embedding and the output head; GLM-5's MTP layer shares the model's
             vocab = int(hf_config.vocab_size)  # transformers' default where the config has none
@@ -142,7 +145,7 @@ def _counts(model: arch.Model, stored: dict[str, tuple[int, ...]]) -> None:
     if experts and n_exp is not None and max(experts) >= n_exp:
         raise QuantizeError(f"config.json says {n_exp} routed experts but the weights hold expert {max(experts)}")
     if model.arch.moe and n_exp and len(experts) != n_exp:
-        raise QuantizeError(f"config.json says n_routed_experts={n_exp} but the weights hold {len(experts)} experts")
+        raise QuantizeError(f"config.json says {model.experts_field}={n_exp} but the weights hold {len(experts)} experts")
 
 
 def check(model: arch.Model, stored: dict[str, tuple[int, ...]], files: dict[str, str]) -> None:

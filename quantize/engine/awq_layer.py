@@ -37,7 +37,7 @@ def _mappings(q, modules: dict[str, nn.Module], targets: dict[str, Entry],
                 pairs.append((n, [o]))
     return [(sm, bal) for sm, bal in pairs if bal and any(b in targets for b in bal)]
 
-def _attention_loss(q, layer: nn.Module, quantized: list[nn.Module], inputs: list[torch.Tensor]):
+def _attention_loss(q, layer: nn.Module, i: int, quantized: list[nn.Module], inputs: list[torch.Tensor]):
     """AWQ loss at the attention block's output, over whole calibration batches."""
     topk = takes_topk(layer.self_attn)
 
@@ -46,12 +46,10 @@ def _attention_loss(q, layer: nn.Module, quantized: list[nn.Module], inputs: lis
         with torch.no_grad():
             for b, x in enumerate(inputs):
                 pos = q.positions[b]
-                mask = q._mask(x, pos)
-                if isinstance(mask, dict):
-                    mask = next(iter(mask.values()))
+                mask, rotary = q._inputs(x, pos, q.layer_type(i))  # a sliding-window layer's own mask
                 kwargs = {"prev_topk_indices": q.carry[b]} if topk else {}
                 y = layer.self_attn(hidden_states=x, attention_mask=mask, position_ids=pos,
-                                    position_embeddings=q.rotary(x, pos), **kwargs)
+                                    position_embeddings=rotary, **kwargs)
                 outs.append(y[0] if isinstance(y, tuple) else y)
         return outs
 
@@ -98,7 +96,7 @@ def awq_layer(q, layer: nn.Module, i: int, targets: dict[str, Entry], report, mo
         else:
             parent = _parent(smooth, balance, modules)
             if parent == "self_attn":
-                loss = _attention_loss(q, layer, [modules[b] for b in quantized], rec.attention_inputs)
+                loss = _attention_loss(q, layer, i, [modules[b] for b in quantized], rec.attention_inputs)
             elif parent == "mlp":
                 loss = _module_loss(layer.mlp, [modules[b] for b in quantized], [X.to(q.device, q.compute)[None]], g,
                                     s.symmetric)
@@ -116,10 +114,9 @@ def awq_layer(q, layer: nn.Module, i: int, targets: dict[str, Entry], report, mo
     for m, e in targets.items():
         if m in modules:
             q._quantize_module(modules[m], e, report)
-    prefix = f"{q.model.prefix}model.layers.{i}."
     for m in sorted(modified - set(targets)):
         for leaf in ("weight", "bias"):
-            name = f"{prefix}{m}.{leaf}"
+            name = q.model.stored_name(i, f"{m}.{leaf}")
             t = getattr(modules[m], leaf, None)
             if t is not None and name in q.entries:
                 q._store_result(name, [t.detach().to("cpu", _dtype(q.entries[name].outputs[0].dtype))])

@@ -162,13 +162,14 @@ class Result:
 class LayerExperts:
     """One MoE layer's routed experts on one rank.
 
-    `targets[e][leaf]`: the plan entry of each quantized expert Linear; `prefix`: the tensor-name prefix of
-    expert e's weights (`{prefix}{e}.{leaf}.weight`)."""
+    `targets[e][leaf]`: the plan entry of each quantized expert Linear (leaf: gate_proj, up_proj, down_proj, as
+    transformers names them); `weight_name(e, leaf)`: the checkpoint's name of that weight (Mixtral's `...w1.weight`)."""
 
-    def __init__(self, s: Setting, prefix: str, n_experts: int, targets: dict[int, dict[str, Entry]], tokens: int,
+    def __init__(self, s: Setting, weight_name: Callable[[int, str], str], n_experts: int,
+                 targets: dict[int, dict[str, Entry]], tokens: int,
                  hidden: int, top_k: int, act_fn, store: Callable[[int, int, torch.dtype], TokenBuffer],
                  on_expert: Callable[[int, int], None] | None = None, spans: list[tuple[int, int]] | None = None):
-        self.s, self.prefix, self.n, self.targets = s, prefix, n_experts, targets
+        self.s, self.weight_name, self.n, self.targets = s, weight_name, n_experts, targets
         self.tokens, self.hidden, self.top_k, self.act_fn = tokens, hidden, top_k, act_fn
         # the token rows whose forwards each rank runs (its samples'), in rank order; by default rank 0's all
         self.spans = spans or [(0, tokens)] + [(tokens, tokens)] * (s.world - 1)
@@ -227,6 +228,10 @@ class LayerExperts:
     def solve(self) -> None:
         """GPTQ (or RTN for experts with too few tokens) of this rank's experts, a chunk at a time, or on the CPU
         a chunk per core at a time (`chunk_workers`)."""
+        if not any(self.targets.values()):  # the layer's experts only run (no routed target): nothing was recorded
+            if self.x_cal is not self.x_adv:
+                self.x_cal.close()
+            return
         routing = route(self.idx_cal, self.n)
         self.counts = routing.counts
         work = [e for e in self.owned if self.targets.get(e)]
@@ -292,7 +297,7 @@ class LayerExperts:
 
     def _shape(self, e: int) -> tuple[int, int]:
         """(inter, hidden) of expert e, from its gate projection."""
-        return tuple(self.s.ckpt.tensors[f"{self.prefix}{e}.gate_proj.weight"].shape)
+        return tuple(self.s.ckpt.tensors[self.weight_name(e, "gate_proj")].shape)
 
     def rtn_only(self, e: int) -> bool:
         cal = self.s.calibration
@@ -300,7 +305,7 @@ class LayerExperts:
 
     def _source(self, e: int) -> dict[str, torch.Tensor]:
         s = self.s
-        return {leaf: s.ckpt.decode(s.ckpt.tensors[f"{self.prefix}{e}.{leaf}.weight"], s.device).to(s.dtype)
+        return {leaf: s.ckpt.decode(s.ckpt.tensors[self.weight_name(e, leaf)], s.device).to(s.dtype)
                 for leaf in LEAVES}
 
     def _hessians(self, w: dict[str, torch.Tensor], tokens: torch.Tensor, shared_in: torch.Tensor | None = None,
@@ -398,7 +403,7 @@ class LayerExperts:
         """Expert e's INT4 source lattice under the target groups (quant/lattice.py), or None."""
         if self.s.scheme.fp4:
             return None
-        return self.s.ckpt.lattice(self.s.ckpt.tensors[f"{self.prefix}{e}.{leaf}.weight"], self.s.scheme.group_size,
+        return self.s.ckpt.lattice(self.s.ckpt.tensors[self.weight_name(e, leaf)], self.s.scheme.group_size,
                                    self.s.device)
 
     def _tokens(self, e: int) -> int:

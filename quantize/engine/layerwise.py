@@ -23,6 +23,7 @@ layer (engine/agreement.py).
 This module is the layer loop and the dense work (GPTQ of attention and dense MLPs, AWQ).
 """
 
+import inspect
 import itertools
 import json
 import re
@@ -62,8 +63,8 @@ def _layers(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[memory
             routed.expert_bytes(inter, hidden, plan.ckpt.dtype)
 
     tc = plan.model.text_config
-    dsa = plan.model.arch.family == "glm_moe_dsa"  # its layers carry top-k indices (int64) and score them per head
-    return memory.layers_of(plan.entries, dtype.itemsize, stack_of, gptq_, carry=8 * (tc.get("index_topk") or 0) * dsa,
+    dsa, carry = plan.model.arch.dsa, plan.model.arch.carries_topk  # score top-k per head; GLM-5 carries it (int64)
+    return memory.layers_of(plan.entries, dtype.itemsize, stack_of, gptq_, carry=8 * (tc.get("index_topk") or 0) * carry,
                             index_heads=(tc.get("index_n_heads") or 0) * dsa)
 
 
@@ -214,6 +215,7 @@ class LayerwiseQuantizer:
         self.carry: list = [None] * len(samples)  # GLM-5's DSA layers pass their top-k indices on
         self._shared: tuple = (None, None)  # (length, layer type), (mask, rotary embeddings)
         self.rotary = type(self.skeleton.model.rotary_emb)(config=self.config).to(self.device)
+        self._rotary_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.tokens = tokens
         # the loop and the writers: results held per layer, layers done, the loop's error, a stop asked
         self._cond = threading.Condition()
@@ -256,8 +258,11 @@ class LayerwiseQuantizer:
     def _embed(self, samples: list[torch.Tensor]) -> None:
         name = f"{self.model.prefix}model.embed_tokens.weight"
         weight = self._decode(name).to(self.compute)
+        # Gemma's embedding multiplies by sqrt(hidden_size) (Gemma3TextScaledWordEmbedding), in the weight's dtype
+        scale = getattr(self.skeleton.model.embed_tokens, "scalar_embed_scale", None)
         for ids in samples:
-            self.hidden.append(nn.functional.embedding(ids.to(self.device), weight))
+            h = nn.functional.embedding(ids.to(self.device), weight)
+            self.hidden.append(h if scale is None else h * torch.tensor(scale).to(weight.dtype))
 
     def _restore(self, resume: Resume) -> None:
         """Continue from a checkpoint: the activations entering its next layer, the stats so far."""
@@ -400,13 +405,17 @@ class LayerwiseQuantizer:
             self._saving = None
 
     def _mask(self, h: torch.Tensor, pos: torch.Tensor):
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-        # a plain causal mask may be skipped (SDPA's is_causal path); GLM-5's DSA indexer needs it materialized
-        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None,
-                                  position_ids=pos, allow_is_causal_skip=self.model.arch.family != "glm_moe_dsa")
+        # a plain causal mask may be skipped (SDPA's is_causal path); a DSA indexer needs it materialized
+        args = dict(config=self.config, inputs_embeds=h, attention_mask=None, past_key_values=None, position_ids=pos)
+        mask = create_causal_mask(**args, allow_is_causal_skip=not self.model.arch.dsa)
         layer_types = getattr(self.config, "layer_types", None)
-        return {t: mask for t in set(layer_types)} if isinstance(layer_types, list) else mask
+        if not isinstance(layer_types, list):
+            return mask
+        # Gemma, Mistral-style sliding-window layers see only the last sliding_window tokens
+        return {t: create_sliding_window_causal_mask(**args) if t == "sliding_attention" else mask
+                for t in set(layer_types)}
 
     def _build_layer(self, i: int) -> nn.Module:
         """Layer i with its weights decoded from the source. A MoE layer's routed experts, when the layer has
@@ -417,10 +426,11 @@ class LayerwiseQuantizer:
         layer.to_empty(device=self.device)
         prefix = f"{self.model.prefix}model.layers.{i}."
         want = dict(layer.named_parameters()) | dict(layer.named_buffers())
-        have = {n[len(prefix):]: n for n in self.ckpt.tensors if n.startswith(prefix)}
+        # transformers' names -> the checkpoint's (Mixtral's block_sparse_moe.gate is the layer's mlp.gate)
+        have = {self.model.canonical(n[len(prefix):]): n for n in self.ckpt.tensors if n.startswith(prefix)}
         missing = sorted(set(want) - set(have))
         if missing:
-            raise QuantizeError(f"layer {i}: the checkpoint lacks {prefix}{missing[0]} that the "
+            raise QuantizeError(f"layer {i}: the checkpoint lacks {self.model.stored_name(i, missing[0])} that the "
                                 f"{type(layer).__name__} needs")
         with torch.no_grad():
             for rel, t in want.items():
@@ -436,7 +446,7 @@ class LayerwiseQuantizer:
              stop: "_StopWhenAllSeen | None" = None) -> None:
         """This rank's calibration samples through `layer`; with `advance`, each output replaces its input in
         place. With `stop`, a sample's forward ends as soon as `stop` has seen all it waits for."""
-        layer_type = (getattr(self.config, "layer_types", None) or [None] * (i + 1))[i]
+        layer_type = self.layer_type(i)
         topk = takes_topk(layer)
         # inference mode, not just no_grad: ~12% less dispatch overhead per forward (measured on a SmolLM2 layer)
         with torch.inference_mode():
@@ -460,30 +470,34 @@ class LayerwiseQuantizer:
                 if advance:
                     self.hidden[self._slot(s)] = y
 
+    def layer_type(self, i: int) -> str | None:
+        """Layer i's attention kind where the config names one per layer (sliding_attention, full_attention)."""
+        return (getattr(self.config, "layer_types", None) or [None] * (i + 1))[i]
+
     def _inputs(self, h: torch.Tensor, pos: torch.Tensor, layer_type: str | None):
         """Attention mask and rotary embeddings of a sample, reused while samples keep the same length (a
         materialized mask of 2048 tokens is 16 MB, so only the last one is kept)."""
         key = (h.shape[1], layer_type)
         if self._shared[0] != key:
             mask = self._mask(h, pos)
-            self._shared = (key, (mask[layer_type] if isinstance(mask, dict) else mask, self.rotary(h, pos)))
+            # Gemma 3 keeps a rotary table per layer type (local and global bases)
+            rotary = self.rotary(h, pos, layer_type) if self._rotary_by_type else self.rotary(h, pos)
+            self._shared = (key, (mask[layer_type] if isinstance(mask, dict) else mask, rotary))
         return self._shared[1]
 
     def _layer_targets(self, i: int) -> dict[str, Entry]:
+        """Layer i's targets by their module's name in transformers' layer (Model.canonical)."""
         prefix = f"{self.model.prefix}model.layers.{i}."
-        return {n[len(prefix):-len(".weight")]: e for n, e in self.targets.items() if e.role.layer == i}
+        return {self.model.canonical(n[len(prefix):-len(".weight")]): e for n, e in self.targets.items()
+                if e.role.layer == i}
 
     def _streams_experts(self, i: int) -> bool:
-        """Whether layer i's routed experts are streamed: under GPTQ and calibrated RTN when they are targets
-        (engine/experts.py); under AWQ whenever the MoE layer has a target, as its norm's smoothing reaches them
-        (engine/awq_experts.py)."""
+        """Whether layer i's routed experts are streamed (engine/experts.py, engine/awq_experts.py): in every MoE
+        layer. transformers fuses a layer's experts into one tensor each (gate_up_proj, down_proj) that the
+        checkpoint stores per expert: they are decoded a chunk at a time, solved where they are targets and
+        only run where they are not (a recipe of attention alone, a layer it leaves out)."""
         experts = getattr(getattr(self.skeleton.model.layers[i], "mlp", None), "experts", None)
-        if not isinstance(experts, routed.Deferred) and not hasattr(experts, "gate_up_proj"):
-            return False
-        targets = self._layer_targets(i)
-        if self.recipe.method == "awq":
-            return bool(targets)
-        return any(".experts." in m for m in targets)
+        return isinstance(experts, routed.Deferred) or hasattr(experts, "gate_up_proj")
 
     def _dense_targets(self, i: int, targets: dict[str, Entry]) -> list[str]:
         """Layer i's targets that GPTQ solves in the layer (all but the routed experts engine/experts.py solves)."""
@@ -679,8 +693,10 @@ class LayerwiseQuantizer:
         setting = routed.Setting(self.ckpt, self.device, self.compute, self.dtype, self.recipe.scheme,
                                  self.recipe.gptq, self.recipe.calibration, self.world, self.rank, self.stats.offload,
                                  squares=self.recipe.method == "rtn")
-        prefix = f"{self.model.prefix}model.layers.{i}.mlp.experts."
-        args = (setting, prefix, self.config.n_routed_experts, dict(by_expert), self.tokens, self.model.hidden_size,
+        def weight_name(e: int, leaf: str) -> str:
+            return self.model.stored_name(i, f"mlp.experts.{e}.{leaf}.weight")
+
+        args = (setting, weight_name, self.model.n_routed_experts, dict(by_expert), self.tokens, self.model.hidden_size,
                 self.config.num_experts_per_tok, act_fn, partial(TokenBuffer, self.stats.offload, self.device, self._tmp),
                 self.on_expert, self.spans if self.dp else None)  # without data parallel forwards, rank 0's all
         if self.recipe.method != "awq":
@@ -703,7 +719,7 @@ class LayerwiseQuantizer:
         report.routed_bytes = moe.routed_bytes
         rel = {e.role.expert: m.split(".experts.")[0] + ".experts." for m, e in targets.items() if ".experts." in m}
         for (e, leaf), r in sorted(moe.results.items()):
-            name = f"{moe.prefix}{e}.{leaf}.weight"  # a target's codes, or a weight AWQ rescaled and left float
+            name = moe.weight_name(e, leaf)  # a target's codes, or a weight AWQ rescaled and left float
             if name in self.entries:
                 self._store_result(name, r.tensors)
         meta = moe.collect()
@@ -737,7 +753,7 @@ class LayerwiseQuantizer:
                 report.fallbacks.append(f"{entry.role.module} (Hessian not positive definite or not finite: RTN)")
             self.stats.error[entry.role.kind].append(error)
         if self.on_expert is not None:
-            self.on_expert(self.config.n_routed_experts - 1, self.config.n_routed_experts)
+            self.on_expert(self.model.n_routed_experts - 1, self.model.n_routed_experts)
         report.phases["routed_output_and_exchange"] = t2 - t1
 
     def _kv_scales(self, i: int, amax: kvcache.Amax, mla: bool, report: LayerReport) -> None:
@@ -755,16 +771,17 @@ class LayerwiseQuantizer:
         modules = dict(layer.named_modules())
         moe = self._layer_experts(i, targets) if self._streams_experts(i) else None
         dense_targets = self._dense_targets(i, targets)
-        if not dense_targets and moe is None:
-            return None  # nothing to calibrate here: the layer only runs, in the quantized pass
+        routed_targets = moe is not None and any(moe.targets.values())
+        if not dense_targets and not routed_targets:
+            return moe  # nothing to calibrate here: the layer only runs (its experts too), in the quantized pass
         hessians = Hessians(self.device, len(self.positions), self.rank if self.dp else 0, self.world if self.dp else 1,
                             amax=self.recipe.scheme.w4a4)
         # the pass is only for the Hessians: once every target has seen its input, the rest of the layer (the
         # last down_proj, the shared experts when they are not quantized) is skipped
-        stop = _StopWhenAllSeen([*dense_targets, *(["experts"] if moe is not None else [])])
+        stop = _StopWhenAllSeen([*dense_targets, *(["experts"] if routed_targets else [])])
         hooks = [modules[m].register_forward_pre_hook(partial(hessians.hook, m)) for m in dense_targets]
         hooks += [modules[m].register_forward_pre_hook(partial(stop.pre_hook, m)) for m in dense_targets]
-        if moe is not None:
+        if routed_targets:
             def record(x, top_k_index, top_k_weights):
                 moe.record_calibration(x, top_k_index, top_k_weights)
                 stop.seen("experts")
@@ -774,7 +791,7 @@ class LayerwiseQuantizer:
             h.remove()
         t1 = time.perf_counter()
         report.phases["forward"] = t1 - t0
-        if moe is not None:
+        if routed_targets:
             self._deferred(layer).record = None
             moe.share_calibration()  # every rank starts on its experts now
         hessians.finish()  # on rank 0, added over all the ranks' samples
