@@ -471,7 +471,9 @@ def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None, disaggregate
                      "GEMMs on Hopper (SM 9.0 in vLLM), so prefill does not widen INT4 to BF16")
     elif recipe is not None:  # one recipe, or several side by side (plan --weights schemes)
         rows += [(_label(r), under(r)) for r in (recipe if isinstance(recipe, list) else [recipe])]
-    scenarios = [scenario(label, w, cfg, kv, setup, model.num_mtp_layers) for kv in kv_dtypes for label, w in rows]
+    # the MTP layers that hold weights (MiniMax-M2's config names 3 MTP modules that its release does not hold)
+    mtp_layers = len({w.role.layer for w in source if w.role.kind == "mtp"})
+    scenarios = [scenario(label, w, cfg, kv, setup, mtp_layers) for kv in kv_dtypes for label, w in rows]
     if layout is None and (is_glm5(cfg) or is_kimi_k2(cfg)):
         layout = roles_of(model, from_config(cfg)[1])
     all_int4 = rec_int4 = None
@@ -484,8 +486,8 @@ def capacity(path, setup: Setup, kv_dtypes: list[str], recipe=None, disaggregate
         if not c.holds:
             notes.append(f"published {c.what} {c.published:g} {c.unit} does not follow from this config: "
                          f"{c.computed:,.1f} {c.unit}" + (f" ({c.why})" if c.why else ""))
-    if model.num_mtp_layers and not setup.mtp:
-        notes.append(f"{model.num_mtp_layers} MTP layer(s) hold weights but no KV here; pass --mtp to serve with "
+    if mtp_layers and not setup.mtp:
+        notes.append(f"{mtp_layers} MTP layer(s) hold weights but no KV here; pass --mtp to serve with "
                      "speculative decoding (their KV is added)")
     return Report(f"{model.model_type} ({model.arch.family})", f"{path} [{what}]", cfg, scenarios, claims, notes)
 

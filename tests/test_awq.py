@@ -252,11 +252,13 @@ def test_awq_streams_the_routed_experts_a_chunk_at_a_time(fixtures_dir, tmp_path
     assert len(decoded) == moe_layers * n and set(decoded.values()) == {3}, decoded
 
 
-@pytest.mark.parametrize("kind,ranks", [("kimi-k2-fp8", "cpu,cpu"), ("glm4-moe-bf16", "cpu,cpu,cpu")])
+@pytest.mark.parametrize("kind,ranks", [("kimi-k2-fp8", "cpu,cpu"), ("glm4-moe-bf16", "cpu,cpu,cpu"),
+                                        ("minimax-m2-fp8", "cpu,cpu")])
 def test_awq_on_several_ranks_gives_the_bytes_of_one(kind, ranks, fixtures_dir, tmp_path):
     """AWQ's routed experts split by expert groups over gloo ranks (the norm's error summed per group in group
     order, each rank smoothing and rounding its own): the bytes of one rank. GLM's recipe also quantizes the
-    shared experts, whose error rank 0 adds to the groups'."""
+    shared experts, whose error rank 0 adds to the groups'; MiniMax-M2's experts are stored as w1/w3/w2 under
+    block_sparse_moe, which each rank reads and writes under those names."""
     import subprocess
     import sys
 
@@ -265,7 +267,8 @@ def test_awq_on_several_ranks_gives_the_bytes_of_one(kind, ranks, fixtures_dir, 
     for name, extra in (("one", []), ("several", ["--devices", ranks])):
         outs[name] = tmp_path / name
         cmd = [sys.executable, "-m", "quantize", "convert", str(fixtures_dir / kind), str(outs[name]), "--recipe",
-               str(RECIPES / f"{'kimi-k2' if kind.startswith('kimi') else 'glm'}-w4a16.yaml"), "--method", "awq",
+               str(RECIPES / f"{ {'kimi': 'kimi-k2', 'glm4': 'glm'}.get(kind.split('-')[0], 'moe')}-w4a16.yaml"),
+               "--method", "awq",
                "--calib", str(data), "--num-samples", "8", "--seq-len", "64", "--max-shard-size", "1MB",
                "--device", "cpu", *extra]
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

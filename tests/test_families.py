@@ -241,6 +241,9 @@ def test_gptq_is_llm_compressors_layout_and_scales_on_every_family(fixtures_dir,
         if "w1" in GATE[k]:  # transformers cannot load llm-compressor's names back: its experts come up random
             llmc = _with_release_names(llmc, tmp_path / f"{k}-llmc-w1")
         mine, ref = _logit_error(out, twins[k], probe), _logit_error(llmc, twins[k], probe)
+        codes = [n for n in ours if n.endswith(".weight_packed") and n in theirs]
+        same = sum(torch.equal(ours[n], theirs[n]) for n in codes)
+        print(f"{k}: logit error ours {mine:.4f}, llm-compressor {ref:.4f}; {same}/{len(codes)} packed tensors equal")
         assert mine < 1.3 * ref, (k, mine, ref)
 
 
@@ -386,3 +389,15 @@ def test_an_unknown_moe_or_a_model_transformers_does_not_build_is_refused_naming
         r = CliRunner().invoke(main, ["inspect", str(src)])
         assert r.exit_code != 0
         assert __import__("re").search(says, r.output), r.output
+
+
+def test_qwen3_vl_moe_with_its_experts_fused_on_disk_is_refused_saying_so():
+    """Qwen3-VL-MoE's release stores each layer's experts fused and transposed
+    (model.language_model.layers.N.mlp.experts.gate_up_proj [experts, hidden, 2 x inter]; transformers'
+    conversion_mapping.py transposes it on load): not a layout this tool streams, and it says so."""
+    config = {"model_type": "qwen3_vl_moe", "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+              "text_config": {"model_type": "qwen3_vl_moe_text", "num_hidden_layers": 2, "hidden_size": 256,
+                              "num_experts": 8}}
+    names = ["model.language_model.layers.0.mlp.experts.gate_up_proj", "model.language_model.layers.0.mlp.gate.weight"]
+    with pytest.raises(QuantizeError, match="stored fused .*experts.gate_up_proj.*one by one"):
+        arch.resolve(config, names)

@@ -241,10 +241,13 @@ def _undeclared(config: dict, text_config: dict, model_type, tensor_names: list[
     what = f"model_type {config.get('model_type')!r} (architectures {config.get('architectures')})"
     experts = next((k for k in ("n_routed_experts", "num_experts", "num_local_experts") if text_config.get(k)), None)
     if experts or any(".experts." in n for n in tensor_names):
+        fused = next((n for n in tensor_names if n.endswith(".experts.gate_up_proj")), None)
         raise QuantizeError(
             f"unknown MoE architecture: {what}: its expert naming, router and AWQ norm mappings are not declared "
-            f"(add a family to quantize/arch/); supported MoE: "
-            f"{', '.join(sorted(t for a in families() if a.moe for t in a.model_types))}")
+            f"(add a family to quantize/arch/)"
+            + (f", and its routed experts are stored fused ({fused}, as Qwen3-VL-MoE ships them), where quantize "
+               "streams experts stored one by one" if fused else "")
+            + f"; supported MoE: {', '.join(sorted(t for a in families() if a.moe for t in a.model_types))}")
     if isinstance(model_type, str) and generic.classes(model_type) is not None \
             and text_config.get("num_hidden_layers") is not None and text_config.get("hidden_size") is not None \
             and any(_LAYER.match(n) for n in tensor_names):
