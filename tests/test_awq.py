@@ -32,14 +32,14 @@ def test_search_starts_from_identity_and_helps_on_outlier_channels():
     assert scales[:4].mean() > scales[4:].mean()  # salient channels are protected by larger scales
 
 
-def forward(q: LayerwiseQuantizer, layer, h, pos) -> torch.Tensor:
-    """One float32 forward of a decoder layer on one calibration sample."""
-    mask = q._mask(h, pos)
-    mask = next(iter(mask.values())) if isinstance(mask, dict) else mask
+def forward(q: LayerwiseQuantizer, layer, h, pos, i: int = 0) -> torch.Tensor:
+    """One float32 forward of decoder layer i on one calibration sample (its layer type's mask and rotary)."""
+    q._shared = (None, None)
+    mask, rotary = q._inputs(h, pos, q.layer_type(i))
     kwargs = {"prev_topk_indices": None} if "prev_topk_indices" in type(layer).forward.__code__.co_varnames else {}
     with torch.no_grad():
-        y = layer(h, attention_mask=mask, position_ids=pos,
-                  position_embeddings=tuple(t.float() for t in q.rotary(h, pos)), **kwargs)
+        y = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=tuple(t.float() for t in rotary),
+                  **kwargs)
     return y[0] if isinstance(y, tuple) else y
 
 
@@ -70,7 +70,8 @@ class WholeExperts(torch.nn.ModuleList):
 
 
 @pytest.mark.parametrize("kind", ["llama-bf16", "kimi-k2-fp8", "glm5-bf16", "glm4-moe-bf16", "deepseek-v32-fp8",
-                                  "qwen3-moe-fp8", "minimax-m2-fp8", "mixtral-bf16", "mistral-bf16", "phi3-bf16"])
+                                  "qwen3-moe-fp8", "minimax-m2-fp8", "mixtral-bf16", "mistral-bf16", "phi3-bf16",
+                                  "gemma3-bf16"])
 def test_smoothing_every_mapping_leaves_the_float_layer_unchanged(kind, fixtures_dir, tmp_path):
     """Random scales through every mapping the engine finds: a consumer left out (router, indexer) would show."""
     r = recipe.from_dict({"method": "awq", "scheme": {"group_size": 32}, "targets": ["Linear"], "ignore": ["lm_head"]}, "t")
@@ -97,12 +98,13 @@ def test_smoothing_every_mapping_leaves_the_float_layer_unchanged(kind, fixtures
             assert {sm: set(b) for sm, b in streamed} == {sm: b for sm, b in whole.items() if sm not in own}
         h = q.hidden[0].float()
         pos = q.positions[0]
-        before = forward(q, layer, h, pos)
+        before = forward(q, layer, h, pos, i)
         g = torch.Generator().manual_seed(i)
         for smooth, balance in mappings:
             n = modules[balance[0]].weight.shape[1]
-            _apply_scales(modules[smooth], [modules[b] for b in balance], torch.rand(n, generator=g) + 0.5)
-        after = forward(q, layer, h, pos)
+            offset = plan.model.arch.norm_offset if modules[smooth].weight.ndim == 1 else 0.0  # Gemma: 1 + weight
+            _apply_scales(modules[smooth], [modules[b] for b in balance], torch.rand(n, generator=g) + 0.5, offset)
+        after = forward(q, layer, h, pos, i)
         assert torch.allclose(before, after, atol=2e-4, rtol=1e-3), (kind, i, (before - after).abs().max())
         smooths = {sm for sm, _ in mappings}
         if plan.model.arch.moe and i >= 1:
@@ -111,7 +113,8 @@ def test_smoothing_every_mapping_leaves_the_float_layer_unchanged(kind, fixtures
             assert "mlp.gate" in bal and "mlp.experts.7.up_proj" in bal
             assert "mlp.shared_experts.gate_proj" in bal or "n_shared_experts" not in plan.model.text_config
         if plan.model.arch.family == "dense":  # traced from the class (arch/generic.py), not declared
-            assert {"input_layernorm", "post_attention_layernorm"} <= smooths
+            assert "input_layernorm" in smooths and len(smooths & {"post_attention_layernorm",
+                                                                  "pre_feedforward_layernorm"}) == 1
         if kind in ("glm5-bf16", "deepseek-v32-fp8"):
             assert "self_attn.indexer.wk" in dict(mappings)["input_layernorm"]
             assert "self_attn.indexer.wq_b" in dict(mappings)["self_attn.q_a_layernorm"]

@@ -354,24 +354,57 @@ def test_the_engines_layer_by_layer_forward_is_transformers_own(kind, fixtures_d
 
 def test_a_dense_decoder_of_no_declared_family_is_read_from_its_transformers_class(fixtures_dir, converted):
     """Gemma 3, Phi-3, Mistral: no file of quantize/arch/ names them; their Linears and AWQ's mappings come from the
-    model class (arch/generic.py). Phi-3's fused qkv_proj and gate_up_proj are quantized whole, as vLLM's
-    Phi3ForCausalLM (a LlamaForCausalLM) and SGLang's llama.py load them (QKVParallelLinear and
-    MergedColumnParallelLinear split a fused weight themselves). Gemma's norms scale by (1 + weight), which AWQ
-    cannot fold into: AWQ is refused in one line, GPTQ and RTN run."""
+    model class (arch/generic.py). Gemma 3's MLP reads pre_feedforward_layernorm (its post_attention_layernorm
+    normalizes the attention output before the residual: no Linear reads it), and its norms scale by
+    (1 + weight), which AWQ folds into as such. Phi-3's fused qkv_proj and gate_up_proj are quantized whole, as
+    vLLM's Phi3ForCausalLM (a LlamaForCausalLM) and SGLang's llama.py load them (QKVParallelLinear and
+    MergedColumnParallelLinear split a fused weight themselves)."""
     models = {k: arch.resolve(config_of(fixtures_dir / k), list(Checkpoint(fixtures_dir / k).tensors)) for k in DENSE}
-    assert all(m.arch.family == "dense" for m in models.values())
+    assert all(m.arch.family == "dense" and m.arch.no_awq is None for m in models.values())
     assert models["phi3-bf16"].arch.linear_leaves == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
     assert dict(models["phi3-bf16"].arch.awq_norms) == {"input_layernorm": (r"self_attn\.qkv_proj",),
                                                         "post_attention_layernorm": (r"mlp\.gate_up_proj",)}
-    assert models["mistral-bf16"].arch.no_awq is None and models["phi3-bf16"].arch.no_awq is None
-    assert "(1 + weight)" in models["gemma3-bf16"].arch.no_awq
+    gemma = dict(models["gemma3-bf16"].arch.awq_norms)
+    assert set(gemma) == {"input_layernorm", "pre_feedforward_layernorm"}
+    assert gemma["pre_feedforward_layernorm"] == (r"mlp\.gate_proj", r"mlp\.up_proj")
+    assert models["gemma3-bf16"].arch.norm_offset == 1.0 and models["mistral-bf16"].arch.norm_offset == 0.0
     written = read_all(converted["phi3-bf16"])
     assert {"model.layers.0.self_attn.qkv_proj.weight_packed", "model.layers.0.mlp.gate_up_proj.weight_packed"} <= \
         set(written)
-    r = CliRunner().invoke(main, ["convert", str(fixtures_dir / "gemma3-bf16"), "/nonexistent/out", "--scheme", "w4a16",
-                                  "--method", "awq", "--calib", "x.jsonl"])
-    assert r.exit_code == 2 and "--method awq cannot run on gemma3_text" in r.output and "gptq" in r.output
-    assert len([ln for ln in r.output.splitlines() if ln.startswith("error")]) == 1
+
+
+def test_a_norm_whose_output_goes_elsewhere_too_makes_awq_ambiguous_and_is_refused():
+    """The trace sees every use of a norm's output: here it feeds a Linear and is also added to the residual
+    (scaling the norm would change that sum), so no mapping is declared and AWQ is refused, naming both uses."""
+    from torch import nn
+
+    from quantize.arch import generic
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_layernorm = nn.RMSNorm(8)
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, h):
+            x = self.input_layernorm(h)
+            return h + x + self.proj(x)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Module()
+            self.model.layers = nn.ModuleList([Layer()])
+            self.embed = nn.Embedding(4, 8)
+
+        def forward(self, input_ids):
+            return self.model.layers[0](self.embed(input_ids))
+
+    with torch.device("meta"):
+        model = Model()
+    layer = model.model.layers[0]
+    norms, why, _ = generic._awq_norms(model, layer, {"proj": layer.proj})
+    assert norms == () and "input_layernorm feeds proj and also add" in why
 
 
 def test_an_unknown_moe_or_a_model_transformers_does_not_build_is_refused_naming_what_is_missing(fixtures_dir,
@@ -401,3 +434,49 @@ def test_qwen3_vl_moe_with_its_experts_fused_on_disk_is_refused_saying_so():
     names = ["model.language_model.layers.0.mlp.experts.gate_up_proj", "model.language_model.layers.0.mlp.gate.weight"]
     with pytest.raises(QuantizeError, match="stored fused .*experts.gate_up_proj.*one by one"):
         arch.resolve(config, names)
+
+
+SCHEMES = {"w4a16": ["--scheme", "w4a16", "--group-size", "32"], "w4afp8": ["--scheme", "w4afp8"],
+           "nvfp4a16": ["--scheme", "nvfp4a16"], "mxfp4a16": ["--scheme", "mxfp4a16"],
+           "fp8-block": ["--scheme", "fp8-block"]}
+
+
+@pytest.mark.parametrize("kind", [*FAMILIES, *DENSE])
+def test_every_scheme_streams_each_family_verifies_and_gets_its_serving_rows(kind, fixtures_dir, tmp_path):
+    """Each family under every scheme the stream engine writes: the output verifies against the source (deep),
+    carries the release's names, and the serving matrix has a row per engine for it: both engines load every
+    one of these (with the GPU notes FP4 and W4AFP8 carry) but SGLang an MXFP4 dense Linear, which it refuses."""
+    src = fixtures_dir / kind
+    for scheme, args in SCHEMES.items():
+        out = tmp_path / scheme
+        r = CliRunner().invoke(main, ["convert", str(src), str(out), *args, "--json"])
+        assert r.exit_code == 0, (scheme, r.output[-1500:])
+        report = verify.verify(out, source=src, deep=True)
+        assert report.clean, (scheme, report.findings[:3])
+        names = set(read_all(out))
+        if kind in GATE:
+            suffix = ".weight" if scheme == "fp8-block" else ".weight_packed"
+            assert GATE[kind] + suffix in names, scheme
+        rows = [x for x in serving.matrix_of(out) if not x.variant.startswith(("FP8 KV", "MTP"))]
+        assert {x.engine for x in rows} == {serving.VLLM, serving.SGLANG}, scheme
+        for x in rows:  # SGLang refuses a dense MXFP4 Linear (the rule serving.matrix pins); everything else loads
+            refused = scheme == "mxfp4a16" and x.engine == serving.SGLANG
+            assert x.loads != refused, (scheme, x.engine, x.notes)
+
+
+@pytest.mark.parametrize("kind", DENSE)
+def test_awq_on_a_traced_dense_decoder_smooths_its_own_norms_and_loads(kind, fixtures_dir, tmp_path):
+    """AWQ through the traced mappings: the norms it smooths are the ones the trace found (Gemma 3's
+    pre_feedforward_layernorm, its (1 + weight) folded as such), every search ends no worse than where it
+    started, and the output verifies and loads in transformers with every key."""
+    from transformers import AutoModelForCausalLM
+
+    out, stats = _calibrated(fixtures_dir / kind, tmp_path, "awq")
+    smoothed = {s["smooth"] for s in stats.awq}
+    expected = {"input_layernorm", "pre_feedforward_layernorm" if kind.startswith("gemma") else "post_attention_layernorm"}
+    assert expected <= smoothed and all(s["loss_best"] <= s["loss_identity"] for s in stats.awq)
+    assert verify.verify(out, source=fixtures_dir / kind, deep=True).clean
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.bfloat16)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 17, 230, 5, 99]])).logits).all()

@@ -208,7 +208,9 @@ def test_every_output_config_parses_with_the_compressed_tensors_the_engines_pin(
 
     configs = {}
     for kind, rec in (("kimi-k2-fp8", "kimi-k2-w4a16"), ("kimi-k25-int4", "kimi-k2-w4a16"), ("glm4-moe-bf16", "glm-w4a16"),
-                      ("glm5-bf16", "glm-w4a16"), ("llama-bf16", "dense-w4a16")):
+                      ("glm5-bf16", "glm-w4a16"), ("llama-bf16", "dense-w4a16"), ("deepseek-v32-fp8", "moe-w4a16"),
+                      ("qwen3-moe-fp8", "moe-w4a16"), ("minimax-m2-fp8", "moe-w4a16"), ("mixtral-bf16", "moe-w4a16"),
+                      ("phi3-bf16", "dense-w4a16"), ("gemma3-bf16", "dense-w4a16")):
         base = recipe.load(RECIPES / f"{rec}.yaml")
         kv = dataclasses.replace(base, method="gptq", kv_cache="fp8")
         for variant, r in (("int4", base), ("int4+kv", kv), ("fp8-block", base.fp8_block_variant())):

@@ -44,6 +44,8 @@ class Arch:
     mtp_own_head: bool = True
     # why AWQ cannot run on this family (its smoothing mappings are ambiguous), or None
     no_awq: str | None = None
+    # a norm that scales by (norm_offset + weight): Gemma's 1 + weight; AWQ folds its scales in accordingly
+    norm_offset: float = 0.0
 
 
 @dataclass(frozen=True)

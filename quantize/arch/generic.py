@@ -3,9 +3,10 @@ as a family, read from its own model class instead of declared: a one-layer copy
 memory) gives the Linear leaves, and one traced forward through it gives AWQ's mappings, the norms whose output
 goes straight into Linears and nowhere else.
 
-AWQ folds its scales into a norm's weight, which is exact only for a norm that multiplies by its weight. Where a
-norm's output also goes elsewhere (a residual, a non-Linear op), or the norm computes x * (1 + weight) (Gemma),
-the mapping is ambiguous: AWQ is refused for the family with the reason (`no_awq`); GPTQ and RTN still run.
+AWQ folds its scales into a norm's weight: exact for a norm that scales by (c + weight), c read from the norm
+itself (0, or Gemma's 1: `norm_offset`). Where a norm's output also goes elsewhere (a residual, a non-Linear op),
+or the norm is of another form, the mapping is ambiguous: AWQ is refused for the family with the reason
+(`no_awq`); GPTQ and RTN still run.
 
 The result is an Arch's fields (quantize/arch/__init__.py), as the declared families' files hold them."""
 
@@ -49,14 +50,16 @@ def _fields(model_type: str, config_json: str) -> dict:
         model = getattr(transformers, lm_cls)._from_config(config, dtype=torch.float32)
     layer = model.model.layers[0]
     linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
-    norms, why = _awq_norms(model, layer, linears)
+    norms, why, offset = _awq_norms(model, layer, linears)
     return dict(family="dense", model_types=(model_type,), linear_leaves=frozenset(n.rpartition(".")[2] for n in linears),
-                moe=False, hf_classes={model_type: (config_cls, lm_cls)}, awq_norms=norms, no_awq=why)
+                moe=False, hf_classes={model_type: (config_cls, lm_cls)}, awq_norms=norms, no_awq=why,
+                norm_offset=offset)
 
 
-def _awq_norms(model, layer, linears: dict) -> tuple[tuple, str | None]:
-    """(norm, consumers) pairs traced from one forward on the meta device: each module's output is followed to
-    the Linears that take it as their input; a norm's output used by anything else makes AWQ ambiguous."""
+def _awq_norms(model, layer, linears: dict) -> tuple[tuple, str | None, float]:
+    """(norm, consumers) pairs traced from one forward on the meta device (each norm's output followed to the
+    Linears that take it as their input; one used by anything else makes AWQ ambiguous), why AWQ cannot run (or
+    None), and the norms' weight offset."""
     import torch
     from torch.overrides import TorchFunctionMode
 
@@ -101,31 +104,43 @@ def _awq_norms(model, layer, linears: dict) -> tuple[tuple, str | None]:
         with torch.no_grad(), Uses():
             model(input_ids=torch.zeros(1, 4, dtype=torch.long, device="meta"))
     except Exception as e:  # a class whose forward the meta device cannot run: no mapping is traced
-        return (), f"its forward could not be traced ({type(e).__name__}), so AWQ's mappings are unknown"
+        return (), f"its forward could not be traced ({type(e).__name__}), so AWQ's mappings are unknown", 0.0
     finally:
         for h in hooks:
             h.remove()
     for n in norm_names:
         if n in fed and n in other:
-            return (), f"its {n} feeds {', '.join(sorted(fed[n]))} and also {', '.join(sorted(other[n]))}"
-    if fed and not _multiplies(modules[next(iter(fed))]):
-        return (), (f"its norms compute x * (1 + weight) ({type(modules[next(iter(fed))]).__name__}), so AWQ's "
-                    "scales cannot fold into them")
+            return (), f"its {n} feeds {', '.join(sorted(fed[n]))} and also {', '.join(sorted(other[n]))}", 0.0
+    offsets = {_offset(modules[n]) for n in fed}
+    if None in offsets or len(offsets) > 1:
+        return (), (f"its norms ({', '.join(sorted(type(modules[n]).__name__ for n in fed))}) do not scale by "
+                    "(a constant + weight), so AWQ's scales cannot fold into them"), 0.0
     import re
 
-    return tuple((n, tuple(re.escape(x) for x in fed[n])) for n in norm_names if n in fed), None
+    return tuple((n, tuple(re.escape(x) for x in fed[n])) for n in norm_names if n in fed), None, \
+        next(iter(offsets), 0.0)
 
 
-def _multiplies(norm) -> bool:
-    """Whether the norm's output is its weight times something: a zero weight gives a zero output."""
+def _offset(norm) -> float | None:
+    """c where the norm's output is (c + weight) * f(x): 0 for a norm that multiplies by its weight, 1 for Gemma's
+    1 + weight; None for a norm that is neither (AWQ cannot fold into it). Read from the outputs at weight 0
+    and weight 1 (c f(x) and (c + 1) f(x)), a bias held at 0."""
     import torch
 
     probe = copy.deepcopy(norm).to_empty(device="cpu")
+    params = dict(probe.named_parameters())
+    if "weight" not in params or params["weight"].ndim != 1:
+        return None
+    x = torch.randn(3, params["weight"].shape[0], generator=torch.Generator().manual_seed(0))
+    outs = []
     with torch.no_grad():
-        for p in probe.parameters():
-            p.zero_()
-        for b in probe.buffers():
-            b.zero_()
-        dim = next(probe.parameters()).shape[-1]
-        x = torch.randn(3, dim, generator=torch.Generator().manual_seed(0))
-        return bool(probe(x).abs().max() == 0)
+        for value in (0.0, 1.0):
+            for name, p in params.items():
+                p.fill_(value if name == "weight" else 0.0)
+            outs.append(probe(x).float())
+    y0, y1 = outs
+    step = y1 - y0  # f(x)
+    if not torch.all(step.abs() > 1e-6):
+        return None
+    c = y0 / step
+    return round(float(c.mean()), 6) if torch.allclose(c, c.mean(), atol=1e-4) else None

@@ -106,7 +106,8 @@ def awq_layer(q, layer: nn.Module, i: int, targets: dict[str, Entry], report, mo
                                                      loss, g, q.recipe.awq.n_grid)
         q.stats.awq.append({"layer": i, "smooth": smooth, "ratio": ratio, "loss_identity": initial,
                             "loss_best": best})
-        _apply_scales(modules[smooth], [modules[b] for b in here], scales.to(q.device))
+        _apply_scales(modules[smooth], [modules[b] for b in here], scales.to(q.device),
+                      q.model.arch.norm_offset if modules[smooth].weight.ndim == 1 else 0.0)
         modified.update([smooth, *here])
         if smooth == "input_layernorm":  # later attention losses must see the rescaled norm's output
             rec.attention_inputs = [(x.float() / scales.to(x.device)).to(x.dtype) for x in rec.attention_inputs]
@@ -182,11 +183,12 @@ def _dtype(name: str) -> torch.dtype:
 
 
 @torch.no_grad()
-def _apply_scales(smooth: nn.Module, balance: list[nn.Module], s: torch.Tensor) -> None:
-    """smooth's output / s, every balance layer's input columns * s: the float model is unchanged."""
+def _apply_scales(smooth: nn.Module, balance: list[nn.Module], s: torch.Tensor, offset: float = 0.0) -> None:
+    """smooth's output / s, every balance layer's input columns * s: the float model is unchanged. `offset`: a
+    norm that scales by (offset + weight) (Gemma's 1 + weight) takes (offset + weight) / s - offset."""
     w = smooth.weight
     if w.ndim == 1:
-        w.copy_((w.float() / s).to(w.dtype))
+        w.copy_(((offset + w.float()) / s - offset).to(w.dtype))
     else:
         w[-s.numel():].copy_((w[-s.numel():].float() / s.view(-1, 1)).to(w.dtype))
     if getattr(smooth, "bias", None) is not None:
