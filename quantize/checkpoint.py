@@ -22,6 +22,7 @@ import torch
 from quantize.arch import layout
 from quantize.errors import QuantizeError
 from quantize.hub import snapshot_roots
+from quantize.phases import timer
 from quantize.quant import fp4, fp8, lattice, pack, rtn
 from quantize.safetensors_file import TensorInfo, read_header, read_tensor
 
@@ -298,11 +299,21 @@ class Checkpoint:
     def read_parts(self, t: LogicalTensor) -> dict[str, torch.Tensor]:
         return {k: read_tensor(v) for k, v in t.parts.items()}
 
-    def decode(self, t: LogicalTensor, device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The tensor as a float (for quantized encodings: dequantized to the model dtype) on `device`."""
-        parts = {k: v.to(device) for k, v in self.read_parts(t).items()}
-        w = decode_parts(t, parts, self.format, dtype or self.dtype)
-        self.check_finite(t, w)
+    def decode(self, t: LogicalTensor, device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+               phases=None, check: bool = True) -> torch.Tensor:
+        """The tensor as a float (for quantized encodings: dequantized to the model dtype) on `device`;
+        `phases` (quantize/phases.Phases) gets the seconds of the read, the decode and the finite check.
+        `check=False`: the caller checks finiteness itself, where it is cheaper (engine/shard.py: on the scales
+        of a quantized weight, which a NaN or Inf in any of its groups makes non-finite)."""
+        timed = timer(phases)
+        with timed("read"):
+            parts = self.read_parts(t)
+        with timed("decode"):
+            parts = {k: v.to(device) for k, v in parts.items()}
+            w = decode_parts(t, parts, self.format, dtype or self.dtype)
+        if check:
+            with timed("finite check"):
+                self.check_finite(t, w)
         if self.allow_nonfinite and w.is_floating_point():
             w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)  # what gets quantized keeps finite scales
         return w

@@ -311,6 +311,7 @@ def _result(plan, result, r, calibrated, dev: str) -> Result:
         "tensors": result.counts,
         "tp_served": result.tp_served,
         "warnings": result.warnings,
+        "phases": result.phases,  # thread-seconds per phase (quantize/phases.py): where the time went
     }
     if result.prefill:
         report["prefill"] = result.prefill

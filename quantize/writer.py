@@ -13,6 +13,7 @@ import torch
 
 from quantize.checkpoint import INDEX_NAME, PICKLE_SUFFIXES
 from quantize.errors import QuantizeError
+from quantize.phases import timer
 from quantize.safetensors_file import DTYPES, TensorSpec, encode_header
 
 MANIFEST_NAME = "quantize-manifest.json"
@@ -36,8 +37,9 @@ class ShardWriter:
     their crc32s) skips the file hash: at 0.5-1 GB/s it was half the cost of the layer checkpoints.
     """
 
-    def __init__(self, path: Path, specs: list[TensorSpec], sha256: bool = True):
+    def __init__(self, path: Path, specs: list[TensorSpec], sha256: bool = True, phases=None):
         self.path, self.specs, self._next = path, specs, 0
+        self.timed = timer(phases)  # quantize/phases.py: write, crc32, sha256
         self.tmp = path.with_name(path.name + ".tmp")
         self.sha = hashlib.sha256() if sha256 else None
         self.tensors: dict[str, dict] = {}  # name -> dtype, shape, crc32 of its bytes (for the manifest)
@@ -48,9 +50,11 @@ class ShardWriter:
             raise disk_full(self.path, e) from e
 
     def _write(self, data) -> None:
-        self.f.write(data)
+        with self.timed("write"):
+            self.f.write(data)
         if self.sha is not None:
-            self.sha.update(data)
+            with self.timed("sha256"):
+                self.sha.update(data)
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         spec = self.specs[self._next]
@@ -61,8 +65,9 @@ class ShardWriter:
             )
         self._next += 1
         data = tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy()
-        self.tensors[name] = {"file": self.path.name, "dtype": spec.dtype, "shape": list(spec.shape),
-                              "crc32": zlib.crc32(data)}
+        with self.timed("crc32"):
+            crc = zlib.crc32(data)
+        self.tensors[name] = {"file": self.path.name, "dtype": spec.dtype, "shape": list(spec.shape), "crc32": crc}
         try:
             self._write(memoryview(data))
         except OSError as e:
@@ -73,8 +78,9 @@ class ShardWriter:
         if self._next != len(self.specs):
             raise AssertionError(f"{self.path.name}: {len(self.specs) - self._next} tensors were never written")
         try:
-            self.f.flush()
-            os.fsync(self.f.fileno())
+            with self.timed("write"):
+                self.f.flush()
+                os.fsync(self.f.fileno())
             self.f.close()
             os.replace(self.tmp, self.path)
         except OSError as e:

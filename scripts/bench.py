@@ -181,8 +181,10 @@ model_free_ptq(src, out, scheme=scheme, ignore=ignore, max_workers=1, device=dev
 
 MEASURE = r"""
 import resource, subprocess, sys, time
+keep = sys.argv[1]  # where the command's stdout goes ("-": nowhere)
 t = time.perf_counter()
-rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+with open(keep if keep != "-" else "/dev/null", "w") as out:
+    rc = subprocess.run(sys.argv[2:], stdout=out, stderr=subprocess.PIPE, text=True)
 dt = time.perf_counter() - t
 if rc.returncode:
     sys.stderr.write(rc.stderr[-3000:])
@@ -196,12 +198,18 @@ def fresh(out: Path) -> None:
     shutil.rmtree(Path(str(out) + ".partial"), ignore_errors=True)
 
 
-def measure(cmd: list[str]) -> dict:
-    p = subprocess.run([sys.executable, "-c", MEASURE, *cmd], capture_output=True, text=True)
+def measure(cmd: list[str], report: Path | None = None) -> dict:
+    """Wall time and peak RSS of `cmd` in a process of its own; with `report`, its stdout (a --json report)
+    is kept there and its `phases` (thread-seconds per phase, quantize/phases.py) returned too."""
+    p = subprocess.run([sys.executable, "-c", MEASURE, str(report) if report else "-", *cmd], capture_output=True,
+                       text=True)
     rc, seconds, rss = p.stdout.split()
     if int(rc):
         raise SystemExit(f"{cmd[:4]} failed:\n{p.stderr}")
-    return {"seconds": float(seconds), "peak_rss": int(rss)}
+    out = {"seconds": float(seconds), "peak_rss": int(rss)}
+    if report is not None:
+        out["phases"] = json.loads(report.read_text()).get("phases", {})
+    return out
 
 
 def best_of(runs: list[dict]) -> dict:
@@ -257,7 +265,7 @@ def bench_rtn(args) -> dict:
     else:
         what, ignore = ["--recipe", str(recipe)], KIMI_IGNORE
     ours = measure([sys.executable, "-m", "quantize", "convert", str(src), str(ours_out), *what,
-                    "--device", args.device, "--workers", str(args.workers), "--json"])
+                    "--device", args.device, "--workers", str(args.workers), "--json"], work / "quantize-report.json")
     ref = measure([sys.executable, "-c", REFERENCE, str(src), str(ref_out), args.device, ",".join(ignore), args.scheme])
     result = {
         "input": {"path": str(src), "bytes": src_bytes, "shards": len(shards), "largest_shard": largest},

@@ -235,6 +235,26 @@ def test_nonfinite_weights_are_refused_unless_allowed(fixtures_dir, tmp_path, te
         assert torch.isnan(written[tensor].float()).sum() == 1 and torch.isinf(written[tensor].float()).sum() == 1
 
 
+@pytest.mark.parametrize("scheme", ["w4afp8", "nvfp4a16", "mxfp4a16", "fp8-block"])
+def test_a_nonfinite_weight_to_quantize_is_refused_under_every_scheme(scheme, fixtures_dir, tmp_path):
+    """A weight to quantize is checked on its scales (a group holding a NaN or Inf has a non-finite scale, engine/
+    shard.py), MXFP4's, whose power-of-two scales lose a NaN, element by element: refused alike, in one line."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(fixtures_dir / "llama-bf16", src)
+    tensor = "model.layers.1.mlp.up_proj.weight"
+    shard = src / index_of(src)["weight_map"][tensor]
+    tensors = load_file(shard)
+    tensors[tensor] = tensors[tensor].clone()
+    tensors[tensor].view(-1)[7] = float("nan")
+    save_file(tensors, shard, metadata={"format": "pt"})
+    code, err = run_cli("convert", src, tmp_path / "out", "--scheme", scheme)
+    assert code == 1, err
+    line = err.splitlines()[-1]
+    assert line.startswith("error:") and tensor in line and "1 NaN/Inf" in line and not (tmp_path / "out").exists()
+
+
 def test_a_downloaded_file_is_checked_against_the_hubs_sha256(tmp_path):
     """The HF cache layout: snapshots/<rev>/<file> -> ../../blobs/<etag>; an LFS file's etag is its sha256."""
     import hashlib

@@ -375,3 +375,22 @@ def test_convert_is_a_library_call_that_reports_through_events_and_raises_for_a_
         convert(str(fixtures_dir / "llama-bf16"), tmp_path / "fp8", Options(scheme="fp8-block", method="gptq",
                                                                             calib=str(tmp_path / "none.txt")))
     assert not (tmp_path / "fp8").exists() and not (tmp_path / "fp8.partial").exists()
+
+
+def test_json_reports_where_the_time_went_phase_by_phase(fixtures_dir, tmp_path):
+    """`--json` carries thread-seconds per phase of the stream engine (quantize/phases.py): the workers' read,
+    decode, finite check and quantize, the writer's crc32, sha256 and write and its waits, the background hash
+    of the source and the finish. Worker phases fit in the workers' time: at most 2 threads x the wall."""
+    from click.testing import CliRunner
+
+    from quantize.cli import main
+
+    r = CliRunner().invoke(main, ["convert", str(fixtures_dir / "kimi-k2-fp8"), str(tmp_path / "o"), "--recipe",
+                                  str(RECIPES / "kimi-k2-w4a16.yaml"), "--workers", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.stdout)
+    phases = report["phases"]
+    assert {"read", "decode", "finite check", "quantize", "crc32", "sha256", "write", "writer waited",
+            "source sha256 (background)", "finish (index, manifest, verify)"} <= set(phases)
+    assert all(v >= 0 for v in phases.values()) and phases["quantize"] > 0 and phases["decode"] > 0
+    assert sum(phases[k] for k in ("read", "decode", "finite check", "quantize")) <= 2 * report["seconds"] + 0.5

@@ -5,6 +5,7 @@ The stream engine (RTN) and each rank's writers (engine/writers.py) write their 
 """
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 
 from quantize.engine.ordered import in_order
+from quantize.phases import Phases, timer
 from quantize.quant import codec, fp4, fp8
 from quantize.safetensors_file import read_tensor
 from quantize.tensor_plan import Entry, Plan
@@ -22,40 +24,65 @@ def needs_decode(e: Entry) -> bool:
     return e.action in ("quantize", "dequantize")
 
 
-def produce(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor | None = None) -> list[torch.Tensor]:
+def produce(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor | None = None,
+            phases: Phases | None = None) -> list[torch.Tensor]:
     """The output tensors of one plan entry, in the order of `e.outputs`; `w`, when given, is the source
-    tensor already decoded (by the other plan of a pair: one read for both outputs)."""
+    tensor already decoded (by the other plan of a pair: one read for both outputs). `phases` gets the seconds
+    of its read, decode, finite check and quantize (quantize/phases.py)."""
     t = e.tensor
+    timed = timer(phases)
     if e.action == "kv_scale":
         raise AssertionError(f"{t.name} is measured by the calibrated engine, which did not produce it")
     if e.action == "keep":
-        kept = read_tensor(t.main)
-        plan.ckpt.check_finite(t, kept)
+        with timed("read"):
+            kept = read_tensor(t.main)
+        with timed("finite check"):
+            plan.ckpt.check_finite(t, kept)
         return [kept]
     if e.action == "passthrough":
-        return list(plan.ckpt.read_parts(t).values())
+        with timed("read"):
+            return list(plan.ckpt.read_parts(t).values())
+    # a weight to quantize is checked for NaN / Inf on its scales (a group holding one has a non-finite scale), not
+    # element by element: that pass cost about as much as the quantization itself. MXFP4's power-of-two scales
+    # lose a NaN, so its weights keep the element check.
+    scales_tell = e.action == "quantize" and plan.recipe.scheme.fp4 != "mxfp4" and t.name not in plan.fused
     if w is None:
-        w = plan.ckpt.decode(t, device)
+        w = plan.ckpt.decode(t, device, phases=phases, check=not scales_tell)
     w = w.to(plan.ckpt.dtype)
     if e.action == "dequantize":
         return [w]
+    with timed("quantize"):
+        out, scale = _quantized(plan, e, device, w)
+    if scales_tell and scale is not None and not plan.ckpt.allow_nonfinite and not bool(torch.isfinite(scale).all()):
+        plan.ckpt.check_finite(t, w)  # raises, naming the tensor and counting its NaN / Inf values
+    return out
+
+
+def _quantized(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The outputs of a weight to quantize and the float scales they were made with."""
+    t = e.tensor
     s = plan.recipe.scheme
     if s.fp8_block:
         block = tuple(s.block_structure)
         scale = fp8.block_scale(w, block)
-        return [fp8.quantize_with_block_scale(w, scale, block), scale]
+        return [fp8.quantize_with_block_scale(w, scale, block), scale], scale
     if s.w4a4:  # every NVFP4 W4A4 target is a GPTQ target, whose input_global_scale only calibration measures
         raise AssertionError(f"{t.name} needs calibrated activations (NVFP4 W4A4) but reached round to nearest")
     if s.fp4 == "nvfp4" and t.name in plan.fused:
-        return _fused_outputs(plan, e, device, w)
-    return rtn_outputs(s, w, held=None if s.fp4 else plan.ckpt.lattice(t, s.group_size, w.device))
+        return _fused_outputs(plan, e, device, w), None  # its members were decoded with the element check
+    return _rtn(s, w, held=None if s.fp4 else plan.ckpt.lattice(t, s.group_size, w.device))
 
 
 def rtn_outputs(scheme, w: torch.Tensor, gscale: torch.Tensor | None = None, held=None) -> list[torch.Tensor]:
     """Round-to-nearest of w [out, in] in a 4-bit scheme, as the tensors that replace it; held: an INT4
     source's lattice (quant/lattice.py), kept where the target's groups hold it."""
+    return _rtn(scheme, w, gscale, held)[0]
+
+
+def _rtn(scheme, w: torch.Tensor, gscale: torch.Tensor | None = None, held=None):
+    """rtn_outputs, and the float steps they were made with."""
     p = codec.params(scheme, w, gscale, held)
-    return codec.outputs(scheme, codec.rtn_codes(scheme, w, p), p, tuple(w.shape))
+    return codec.outputs(scheme, codec.rtn_codes(scheme, w, p), p, tuple(w.shape)), p.step
 
 
 class _Stash:
@@ -87,6 +114,19 @@ def _fused_outputs(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor) 
         return stash.ready.pop(e.tensor.name)
 
 
+def _waited(results, phases: Phases):
+    """The results as they come, the writer's wait for each one timed ("writer waited": the workers are behind)."""
+    it = iter(results)
+    while True:
+        t = time.perf_counter()
+        try:
+            made = next(it)
+        except StopIteration:
+            return
+        phases.add("writer waited", time.perf_counter() - t)
+        yield made
+
+
 def write_shard(
     plan: Plan, index: int, path: Path, device: torch.device, advance: Callable[[int], None],
     pool: ThreadPoolExecutor | None = None, depth: int = 1, calibrated: Callable | None = None,
@@ -99,14 +139,14 @@ def write_shard(
 def write_shard_pair(
     plan: Plan, prefill: Plan | None, index: int, paths: tuple[Path | None, Path | None], device: torch.device,
     advance: Callable[[int], None], pool: ThreadPoolExecutor | None = None, depth: int = 1,
-    calibrated: Callable | None = None,
+    calibrated: Callable | None = None, phases: Phases | None = None,
 ) -> tuple[tuple | None, tuple | None]:
     """Shard `index` of both outputs of a pair (tensor_plan.pair: the same source tensors in both), each source
     tensor read and decoded once for the two; a path of None is a side not written (already finished on a
     resume, or no prefill plan). Returns (size, sha256, tensors) per side, None for a side not written."""
     twins = {e.tensor.name: e for e in prefill.shards[index]} if prefill is not None and paths[1] else {}
     entries = plan.shards[index]
-    writers = [ShardWriter(path, [s for e in p.shards[index] for s in e.outputs]) if path else None
+    writers = [ShardWriter(path, [s for e in p.shards[index] for s in e.outputs], phases=phases) if path else None
                for p, path in ((plan, paths[0]), (prefill, paths[1]))]
 
     def make(e: Entry) -> tuple[list | None, list | None]:
@@ -115,12 +155,13 @@ def write_shard_pair(
         need_main = paths[0] is not None and main is None
         w = None
         if twin is not None and needs_decode(twin) and (not need_main or needs_decode(e)):
-            w = plan.ckpt.decode(e.tensor, device)
+            w = plan.ckpt.decode(e.tensor, device, phases=phases)
         if need_main:
-            main = produce(plan, e, device, w if needs_decode(e) else None)
-        return main, (produce(prefill, twin, device, w) if twin is not None else None)
+            main = produce(plan, e, device, w if needs_decode(e) else None, phases)
+        return main, (produce(prefill, twin, device, w, phases) if twin is not None else None)
 
     results = in_order(pool, make, entries, depth) if pool is not None else (make(e) for e in entries)
+    results = _waited(results, phases) if phases is not None and pool is not None else results
     try:
         for e, made in zip(entries, results, strict=True):
             for writer, got, entry in zip(writers, made, (e, twins.get(e.tensor.name)), strict=True):

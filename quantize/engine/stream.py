@@ -24,6 +24,7 @@ from quantize.engine.layer_state import CALIB_DIR
 from quantize.engine.state import STATE_NAME, State, fingerprint_parts
 from quantize.errors import QuantizeError
 from quantize.hub import hub_sha256
+from quantize.phases import Phases, timer
 from quantize.tensor_plan import Plan
 from quantize.verify import verify
 from quantize.writer import (
@@ -51,6 +52,7 @@ class Result:
     tp_served: list[int]
     warnings: list[str] = field(default_factory=list)
     prefill: dict | None = None  # the second output of a pair: out, output_bytes, tp_served
+    phases: dict = field(default_factory=dict)  # thread-seconds per phase (quantize/phases.py)
 
     @property
     def gb_per_s(self) -> float:
@@ -212,7 +214,8 @@ def _run(plan, out, device, workers, resume, overwrite, source_info, progress, c
                 progress(done[0], total)
 
     advance(0)
-    source_hashes = _hash_source_in_background(plan.ckpt.root)
+    phases = Phases()
+    source_hashes = _hash_source_in_background(plan.ckpt.root, phases)
     dev = torch.device(device)
     threads = torch.get_num_threads()
     try:
@@ -225,16 +228,17 @@ def _run(plan, out, device, workers, resume, overwrite, source_info, progress, c
                 for i in todo:
                     # one more in flight than workers, so that a tensor is ready whenever the writer is
                     paths = tuple(o.partial / o.names[i] if i in o.todo else None for o in outputs)
-                    pair = shard.write_shard_pair(plan, second.plan if second else None, i, (*paths, None)[:2], dev, advance,
-                                            pool, depth=workers + 1)
+                    pair = shard.write_shard_pair(plan, second.plan if second else None, i, (*paths, None)[:2], dev,
+                                                  advance, pool, depth=workers + 1, phases=phases)
                     _mark(outputs, i, pair)
     finally:
         torch.set_num_threads(threads)
         shard.stashes.pop(id(plan), None)
     shutil.rmtree(main.partial / CALIB_DIR, ignore_errors=True)  # every shard is written: the layer checkpoints are done
     shutil.rmtree(main.partial / writers.RECEIPTS, ignore_errors=True)  # folded into the state
-    for o in reversed(outputs):  # the prefill variant first: OUT appearing means both are there
-        o.finish(source_info, source_hashes)
+    with phases("finish (index, manifest, verify)"):
+        for o in reversed(outputs):  # the prefill variant first: OUT appearing means both are there
+            o.finish(source_info, source_hashes)
     return Result(
         out=main.out,
         seconds=time.perf_counter() - t0,
@@ -250,6 +254,7 @@ def _run(plan, out, device, workers, resume, overwrite, source_info, progress, c
         prefill=None if second is None else {"out": str(second.out), "recipe": second.plan.recipe.name,
                                              "scheme": second.plan.recipe.scheme.label,
                                              "output_bytes": second.plan.out_bytes, "tp_served": second.plan.tp_served},
+        phases=phases.to_dict(),
     )
 
 
@@ -302,13 +307,14 @@ def library_versions() -> dict[str, str]:
     return out
 
 
-def _hash_source_in_background(root: Path) -> Future:
+def _hash_source_in_background(root: Path, phases: Phases | None = None) -> Future:
     """sha256 of each source file, for the manifest. A Hub snapshot's files link to blobs named by their
     sha256 (LFS), so those cost nothing; other files are hashed in a thread while the conversion runs."""
     def run() -> dict[str, dict]:
         out = {}
-        for p in sorted(q for q in root.iterdir() if q.is_file() and not q.name.startswith(".")):
-            out[p.name] = {"size": p.stat().st_size, "sha256": hub_sha256(p) or sha256_file(p)}
+        with timer(phases)("source sha256 (background)"):
+            for p in sorted(q for q in root.iterdir() if q.is_file() and not q.name.startswith(".")):
+                out[p.name] = {"size": p.stat().st_size, "sha256": hub_sha256(p) or sha256_file(p)}
         return out
 
     pool = ThreadPoolExecutor(max_workers=1)
