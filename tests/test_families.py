@@ -480,3 +480,13 @@ def test_awq_on_a_traced_dense_decoder_smooths_its_own_norms_and_loads(kind, fix
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     with torch.no_grad():
         assert torch.isfinite(model(torch.tensor([[1, 17, 230, 5, 99]])).logits).all()
+
+
+def test_a_model_transformers_builds_with_its_layers_elsewhere_is_refused_in_one_line(tmp_path):
+    """GPT-2 is a decoder transformers builds, but its layers are transformer.h.N: `plan` on its config says so in
+    one line (exit 1), no traceback."""
+    cfg = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_layer": 2, "n_embd": 64, "n_head": 2,
+           "vocab_size": 100, "num_hidden_layers": 2, "hidden_size": 64}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(main, ["plan", str(tmp_path / "config.json")])
+    assert r.exit_code == 1 and "elsewhere than model.layers.N" in r.output and "Traceback" not in r.output

@@ -15,6 +15,7 @@ import functools
 import json
 
 from quantize import hf
+from quantize.errors import QuantizeError
 
 
 def classes(model_type: str) -> tuple[str, str] | None:
@@ -44,11 +45,19 @@ def _fields(model_type: str, config_json: str) -> dict:
     for k in ("layer_types", "mlp_layer_types"):
         if isinstance(raw.get(k), list):
             raw[k] = raw[k][:1]
-    config = getattr(transformers, config_cls)(**raw)
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = getattr(transformers, lm_cls)._from_config(config, dtype=torch.float32)
-    layer = model.model.layers[0]
+    try:
+        config = getattr(transformers, config_cls)(**raw)
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            model = getattr(transformers, lm_cls)._from_config(config, dtype=torch.float32)
+    except Exception as e:  # transformers' own checks of the config
+        raise QuantizeError(f"config.json: transformers cannot build {lm_cls} from it ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}); the config is broken") from e
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList) or not len(layers):
+        raise QuantizeError(f"unknown architecture: model_type {model_type!r} ({lm_cls}) keeps its decoder layers "
+                            "elsewhere than model.layers.N, the layout this tool reads")
+    layer = layers[0]
     linears = {n: m for n, m in layer.named_modules() if isinstance(m, nn.Linear)}
     norms, why, offset = _awq_norms(model, layer, linears)
     return dict(family="dense", model_types=(model_type,), linear_leaves=frozenset(n.rpartition(".")[2] for n in linears),
