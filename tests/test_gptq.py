@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from conftest import RECIPES, read_all
+from conftest import RECIPES, ROOT, read_all
 
 from quantize import calib, recipe
 from quantize.checkpoint import Checkpoint
@@ -196,6 +196,10 @@ RANK_CASES = {
     "kimi nvfp4 (w4a4), 2 ranks": ("kimi-k2-fp8", ["--scheme", "nvfp4"], "cpu,cpu"),
     # Mixtral's names (block_sparse_moe.experts.E.w1/w3/w2): each rank decodes and writes its experts under them
     "mixtral experts, 2 ranks": ("mixtral-bf16", ["--recipe", str(RECIPES / "moe-w4a16.yaml")], "cpu,cpu"),
+    # a MoE layer with no routed target (layer 2): its experts only run, streamed, on every rank, and no rank waits
+    # for a calibration exchange the others skip
+    "kimi, a MoE layer with no work, 2 ranks": ("kimi-k2-fp8", ["--recipe", str(ROOT / "tests" / "data" /
+                                                                 "kimi-layer-1-experts.yaml")], "cpu,cpu"),
 }
 
 

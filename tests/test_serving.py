@@ -161,17 +161,51 @@ def test_glm45_kv_scales_are_read_by_vllm_and_dropped_by_sglang_which_the_matrix
 
 
 @pytest.mark.parametrize("kind,sglang_reads", [("mixtral-bf16", True), ("minimax-m2-fp8", True),
-                                               ("qwen3-moe-fp8", False)])
+                                               ("qwen3-moe-fp8", False), ("mistral-bf16", True), ("phi3-bf16", True),
+                                               ("gemma3-bf16", True)])
 def test_sglang_reads_gqa_kv_scales_in_mixtral_and_minimax_m2_not_qwen3_moe(kind, sglang_reads, converted):
     """SGLang srt/models/mixtral.py MixtralAttention and minimax_m2.py MiniMaxM2Attention build RadixAttention
     with quant_config=quant_config (k_scale / v_scale parameters exist and load); qwen3_moe.py Qwen3MoeAttention
-    builds it without (dropped, FP8 cache at 1.0). vLLM reads `self_attn.k_scale` for all three (GQA)."""
+    builds it without (dropped, FP8 cache at 1.0). Mistral and Phi-3 are llama.py's LlamaForCausalLM subclasses
+    (mistral.py, llama.py Phi3ForCausalLM), Gemma 3's text model is gemma3_causal.py: all pass it. vLLM reads
+    `self_attn.k_scale` for all (GQA)."""
     rows = serving.matrix(*with_kv(converted[kind], False, "ours"))
     (vllm_kv,), (sglang_kv,) = rows_by(rows, V, "FP8 KV"), rows_by(rows, S, "FP8 KV")
     assert vllm_kv.loads and not vllm_kv.notes
     assert (sglang_kv.loads and not sglang_kv.notes) == sglang_reads
     if not sglang_reads:
         assert "without the quant config" in sglang_kv.notes[0]
+
+
+def test_tp_sizes_follow_the_attention_heads_and_phi3s_fused_parts():
+    """vLLM (attention.py / linear.py QKVParallelLinear) and SGLang split attention by heads: num_attention_heads
+    % tp == 0, KV heads split evenly or replicated (tp % kv_heads == 0). A fused qkv_proj stored whole
+    (Phi-3) is split part by part by QKVParallelLinear.weight_loader with no shard id, so its rank holds
+    heads / tp query and max(1, kv / tp) key and value heads, whose width Marlin needs a multiple of 64."""
+    from types import SimpleNamespace
+
+    from quantize.arch import Role
+    from quantize.tensor_plan import attention_tp_ok, dense_tp_ok
+
+    def model(heads, kv, **extra):
+        return SimpleNamespace(text_config={"num_attention_heads": heads, "num_key_value_heads": kv, **extra})
+
+    assert [tp for tp in (1, 2, 4, 8, 16) if attention_tp_ok(model(32, 8), tp)] == [1, 2, 4, 8, 16]
+    assert [tp for tp in (1, 2, 4, 8) if attention_tp_ok(model(40, 8), tp)] == [1, 2, 4, 8]
+    assert [tp for tp in (1, 2, 3, 4, 8) if attention_tp_ok(model(24, 8), tp)] == [1, 2, 4, 8]
+    assert not attention_tp_ok(model(24, 6), 4)  # 6 KV heads neither split by 4 nor replicate to it
+    assert attention_tp_ok(model(128, 128, kv_lora_rank=512), 8)  # MLA: the latent is replicated
+    # Phi-3-mini: 32 heads of 96, qkv_proj [9216, 3072]
+    qkv = SimpleNamespace(action="quantize", tensor=SimpleNamespace(shape=(9216, 3072)),
+                          role=Role("attention", "model.layers.0.self_attn.qkv_proj"))
+    phi = model(32, 32)
+    assert [tp for tp in (1, 2, 4, 8) if dense_tp_ok([qkv], 128, tp, phi)] == [1, 2, 4, 8]
+    # 16 heads of 64, 4 KV heads: at tp 8 a rank holds 2 query + 2 x 1 replicated KV heads, 256 wide
+    qkv.tensor.shape = ((16 + 8) * 64, 1024)
+    assert [tp for tp in (1, 2, 4, 8) if dense_tp_ok([qkv], 128, tp, model(16, 4))] == [1, 2, 4, 8]
+    # heads of 40: a rank's 2 x (8 + 2 x 2) x 40 = 480 columns at tp 2 are no multiple of 64 (960 at tp 1 are)
+    qkv.tensor.shape = ((16 + 8) * 40, 1024)
+    assert [tp for tp in (1, 2, 4, 8) if dense_tp_ok([qkv], 128, tp, model(16, 4))] == [1]
 
 
 def test_mixtral_style_experts_keep_the_release_names_both_engines_load_natively(converted):

@@ -118,7 +118,8 @@ class Model:
 
         config_cls, _ = self.arch.hf_classes[self.model_type]
         raw = {k: v for k, v in self.text_config.items() if k not in ("model_type", "auto_map", "quantization_config")}
-        if raw.get("rotary_dim") and raw.get("head_dim") and "partial_rotary_factor" not in str(raw):
+        rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+        if raw.get("rotary_dim") and raw.get("head_dim") and "partial_rotary_factor" not in {**raw, **rope}:
             # MiniMax-M2's release spells partial rotary as rotary_dim (64 of head_dim 128); transformers reads the
             # fraction from rope_parameters
             raw["partial_rotary_factor"] = raw["rotary_dim"] / raw["head_dim"]
