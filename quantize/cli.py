@@ -19,6 +19,19 @@ SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?\s*$",
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+def parse_workers(_ctx, _param, value):
+    """--workers: auto, or a count from 1 to 64."""
+    if value is None or value == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 64:
+        raise click.BadParameter(f"{value!r}: expected auto or a whole number from 1 to 64")
+    return n
+
+
 def parse_size(_ctx, _param, value: str) -> int:
     m = SIZE.match(value)
     if not m:
@@ -181,8 +194,10 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
               help="Minutes a rank may wait in one exchange with the others (while rank 0 plans, rehashes on "
               "--resume, solves and writes). A rank that dies ends the job within seconds whatever this is.")
 @click.option("--max-shard-size", default="5GB", show_default=True, callback=parse_size, help="Largest output shard.")
-@click.option("--workers", default=lambda: min(8, cores()), show_default="CPU cores, at most 8",
-              type=click.IntRange(1, 64), help="Tensors converted at once (threads); memory grows with it.")
+@click.option("--workers", default="auto", show_default=True, callback=parse_workers,
+              help="Tensors converted at once (threads), or auto: one a CPU core this process may use, fewer where "
+              "the largest tensors in flight would not fit in three quarters of the free memory. Memory grows with "
+              "it; past 8 workers, output shards are written several at once.")
 @click.option("--tp", type=click.IntRange(1, 64), help="Refuse unless the output serves at this tensor-parallel size.")
 @click.option("--overwrite", is_flag=True, help="Replace OUT (and any interrupted OUT.partial); never an output a live "
               "job holds.")

@@ -39,7 +39,7 @@ class Options:
     devices: list[str] = field(default_factory=list)
     rank_timeout: float = 60  # minutes
     max_shard_size: int = 5 * 10**9
-    workers: int = field(default_factory=lambda: min(8, cores()))
+    workers: int | str = "auto"  # a count, or auto: tensor_plan.auto_workers once the plan is known
     tp: int | None = None
     overwrite: bool = False
     resume: bool = False
@@ -191,18 +191,21 @@ def convert(src: str, out: str | Path, o: Options, events: Events | None = None)
                                                  o.rank_timeout * 60, max_shard_size=o.max_shard_size,
                                                  prefill_recipe=r2), run_rank)
         ckpt = Checkpoint(folder, o.allow_nonfinite)
-        plan = tensor_plan.build(ckpt, r, o.max_shard_size, tp=o.tp, workers=o.workers, device=ranks.device)
+        workers = 1 if o.workers == "auto" else o.workers  # auto: chosen from the plan's tensors, checked again
+        plan = tensor_plan.build(ckpt, r, o.max_shard_size, tp=o.tp, workers=workers, device=ranks.device)
         prefill = None
         if o.prefill_out:
             plan, plan2 = tensor_plan.pair(plan, tensor_plan.build(ckpt, r2, o.max_shard_size, tp=o.tp,
-                                                                   workers=o.workers, device=ranks.device),
+                                                                   workers=workers, device=ranks.device),
                                            o.max_shard_size)
             prefill = (plan2, Path(o.prefill_out))
+        if o.workers == "auto":
+            workers = tensor_plan.auto_workers(plan, ranks.device, cores())
         _announce(o, [plan] + ([prefill[0]] if prefill else []), ev)
         with quiet.libraries(o.verbose or not r.calibrated):  # rtn loads no transformers model
             if r.calibrated:
                 calibrated = _calibration(plan, folder, r, ranks, o, ev, launch)
-            result = stream.run(plan, Path(out), device=ranks.device, workers=o.workers, resume=o.resume,
+            result = stream.run(plan, Path(out), device=ranks.device, workers=workers, resume=o.resume,
                                 overwrite=o.overwrite, source_info=info, progress=ev.converted, calibrated=calibrated,
                                 prefill=prefill)
         ok = True
@@ -312,6 +315,7 @@ def _result(plan, result, r, calibrated, dev: str) -> Result:
         "tp_served": result.tp_served,
         "warnings": result.warnings,
         "phases": result.phases,  # thread-seconds per phase (quantize/phases.py): where the time went
+        "phases_cpu": result.phases_cpu,  # and the CPU seconds spent in each
     }
     if result.prefill:
         report["prefill"] = result.prefill

@@ -145,9 +145,27 @@ def hub_sha256(path: Path) -> str | None:
     """The sha256 the Hub published for a file of an HF-cache snapshot: the name of the blob it links to, for
     LFS files. None for other files (a small git file's etag is a git blob sha1, not a content sha256)."""
     if not path.is_symlink():
-        return None
+        return _local_dir_sha256(path)
     etag = path.resolve().name
-    return etag if len(etag) == 64 and all(c in "0123456789abcdef" for c in etag) else None
+    return etag if _is_sha256(etag) else None
+
+
+def _is_sha256(s: str) -> bool:
+    return len(s) == 64 and all(c in "0123456789abcdef" for c in s)
+
+
+def _local_dir_sha256(path: Path) -> str | None:
+    """The Hub's sha256 of a file `hf download --local-dir` put there: the etag its metadata file records
+    (.cache/huggingface/download/NAME.metadata: commit, etag, timestamp), trusted as huggingface_hub trusts it,
+    while the file is no newer than the record (a second of slack for coarse mtimes). Read only: no lock taken,
+    nothing created in the source folder."""
+    meta = path.parent / ".cache" / "huggingface" / "download" / f"{path.name}.metadata"
+    try:
+        _commit, etag, stamp = meta.read_text().splitlines()[:3]
+        fresh = path.stat().st_mtime - 1 <= float(stamp)
+    except (OSError, ValueError):
+        return None
+    return etag.strip() if fresh and _is_sha256(etag.strip()) else None
 
 
 def release_target(repo_id: str, tag: str | None) -> str | None:

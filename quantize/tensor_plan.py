@@ -467,22 +467,48 @@ def layer_segments(keys, num_layers: int) -> list[tuple[int, int]]:
     return list(zip(starts, [*starts[1:], num_layers], strict=True))
 
 
+# One shard's writer thread and its hasher keep up with about this many workers (a worker makes ~0.45 GB/s of FP8
+# source into INT4; a hasher takes ~1.8 GB/s of output): more workers write more shards at once.
+WORKERS_A_SHARD = 8
+
+
+def shards_in_flight(workers: int, shards: int | None = None) -> int:
+    """Output shards the stream engine writes at once for `workers`, at most the shards left to write."""
+    return max(1, min(shards or 1 << 30, -(-workers // WORKERS_A_SHARD)))
+
+
+def shard_depth(workers: int, in_flight: int) -> int:
+    """Tensors a shard has in flight: its share of the workers, and one more, so that one is ready whenever its
+    writer is."""
+    return -(-workers // in_flight) + 1
+
+
 def peak_work_bytes(plan: Plan, workers: int) -> int:
-    """Memory the stream engine needs at once: the largest tensors in flight (workers + 1, see engine/stream.py)."""
+    """Memory the stream engine needs at once: the largest tensors in flight (each shard in flight's depth, see
+    engine/stream.py)."""
+    in_flight = shards_in_flight(workers, len(plan.shards))
     sizes = sorted((math.prod(e.tensor.shape) * WORK_BYTES_PER_ELEMENT for e in plan.entries), reverse=True)
-    return sum(sizes[: workers + 1])
+    return sum(sizes[: in_flight * shard_depth(workers, in_flight)])
+
+
+def auto_workers(plan: Plan, device: str, cores: int) -> int:
+    """`--workers auto`: one a core, fewer where the largest tensors in flight would pass three quarters of the
+    free memory (of the GPU, with --device cuda); at least one (check_memory then says what does not fit)."""
+    free = _free_bytes(device)[0] * 3 // 4
+    return next((w for w in range(max(1, cores), 1, -1) if peak_work_bytes(plan, w) <= free), 1)
+
+
+def _free_bytes(device: str) -> tuple[int, str]:
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0], device
+    return psutil.virtual_memory().available, "host RAM"
 
 
 def check_memory(plan: Plan, workers: int, device: str) -> None:
     if workers == 0:  # a rank > 0: what its writers hold is in the account every rank agrees on (agreement.py)
         return
     need = peak_work_bytes(plan, workers)
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        where = device
-    else:
-        free = psutil.virtual_memory().available
-        where = "host RAM"
+    free, where = _free_bytes(device)
     if need > free:
         raise QuantizeError(
             f"converting needs about {need / 2**30:.1f} GiB of {where} for {workers} worker(s) but "

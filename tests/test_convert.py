@@ -394,3 +394,93 @@ def test_json_reports_where_the_time_went_phase_by_phase(fixtures_dir, tmp_path)
             "source sha256 (background)", "finish (index, manifest, verify)"} <= set(phases)
     assert all(v >= 0 for v in phases.values()) and phases["quantize"] > 0 and phases["decode"] > 0
     assert sum(phases[k] for k in ("read", "decode", "finite check", "quantize")) <= 2 * report["seconds"] + 0.5
+    cpu = report["phases_cpu"]  # CPU seconds in each: no more than the phase's thread-seconds, none for a wait
+    assert set(cpu) == set(phases) and cpu["writer waited"] == 0 and cpu["quantize"] > 0
+    assert all(cpu[k] <= phases[k] + 0.05 for k in phases)
+
+
+def test_a_local_dir_downloads_sha256_is_the_hubs_not_rehashed(fixtures_dir, tmp_path):
+    """`hf download --local-dir` records each file's etag (the LFS sha256) in .cache/huggingface/download/NAME.metadata:
+    the manifest takes the source's sha256 from there while the file is no newer than the record, and hashes the
+    file once it is (the record no longer speaks for it)."""
+    import os
+    import shutil
+
+    from quantize.hub import hub_sha256
+    from quantize.writer import MANIFEST_NAME, sha256_file
+
+    src = tmp_path / "src"
+    shutil.copytree(fixtures_dir / "llama-bf16", src)
+    shard = sorted(src.glob("*.safetensors"))[0]
+    meta = src / ".cache" / "huggingface" / "download" / f"{shard.name}.metadata"
+    meta.parent.mkdir(parents=True)
+    recorded = "ab" * 32  # not the file's sha256: taken from the record, the file was not read for it
+    meta.write_text(f"{'c' * 40}\n{recorded}\n{shard.stat().st_mtime + 0.5}\n")
+    assert hub_sha256(shard) == recorded
+    stream.run(build(Checkpoint(src), recipe.load(RECIPES / "dense-w4a16.yaml"), max_shard_size=2**20), tmp_path / "o")
+    manifest = json.loads((tmp_path / "o" / MANIFEST_NAME).read_text())
+    assert manifest["source"]["files"][shard.name]["sha256"] == recorded
+    os.utime(shard, (shard.stat().st_atime, shard.stat().st_mtime + 10))  # modified after the download
+    assert hub_sha256(shard) is None and sha256_file(shard) != recorded
+
+
+def test_shards_written_several_at_once_give_the_same_bytes(fixtures_dir, tmp_path, monkeypatch):
+    """Past 8 workers the stream engine writes output shards several at once (tensor_plan.shards_in_flight), on
+    the same worker threads: two were in flight at a time here, and every file is the one a single worker
+    writes, each shard recorded in the state."""
+    import threading
+
+    from quantize import tensor_plan
+
+    def convert(out, workers):
+        plan = build(Checkpoint(fixtures_dir / "kimi-k2-fp8"), recipe.load(RECIPES / "kimi-k2-w4a16.yaml"),
+                     max_shard_size=2**18)
+        stream.run(plan, out, workers=workers)
+        return plan
+
+    plan = convert(tmp_path / "one", 1)
+    assert len(plan.shards) >= 4 and tensor_plan.shards_in_flight(9, len(plan.shards)) == 2
+    assert tensor_plan.shards_in_flight(2, 10) == 1 and tensor_plan.shards_in_flight(64, 3) == 3
+    now, most, lock = [0], [0], threading.Lock()
+    real = engine_shard.write_shard_pair
+
+    def counted(*a, **k):
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        try:
+            return real(*a, **k)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(engine_shard, "write_shard_pair", counted)
+    convert(tmp_path / "nine", 9)
+    assert most[0] == 2
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "nine").iterdir())
+    for n in names:
+        assert (tmp_path / "one" / n).read_bytes() == (tmp_path / "nine" / n).read_bytes(), n
+
+
+def test_workers_auto_is_the_cores_within_memory(fixtures_dir, monkeypatch):
+    """--workers auto: one worker a core, fewer where the largest tensors in flight would pass three quarters of
+    the free memory, never fewer than one; anything but auto or 1..64 is a usage error."""
+    from click.testing import CliRunner
+
+    from quantize import tensor_plan
+    from quantize.cli import main
+
+    plan = build(Checkpoint(fixtures_dir / "kimi-k2-fp8"), recipe.load(RECIPES / "kimi-k2-w4a16.yaml"),
+                 max_shard_size=2**20)
+    need3 = tensor_plan.peak_work_bytes(plan, 3)
+    assert tensor_plan.peak_work_bytes(plan, 2) < need3 < tensor_plan.peak_work_bytes(plan, 4)
+    monkeypatch.setattr(tensor_plan, "_free_bytes", lambda device: (10**15, "host RAM"))
+    assert tensor_plan.auto_workers(plan, "cpu", 6) == 6
+    monkeypatch.setattr(tensor_plan, "_free_bytes", lambda device: (need3 * 4 // 3 + 4, "host RAM"))
+    assert tensor_plan.auto_workers(plan, "cpu", 6) == 3
+    monkeypatch.setattr(tensor_plan, "_free_bytes", lambda device: (1, "host RAM"))
+    assert tensor_plan.auto_workers(plan, "cpu", 6) == 1
+    for bad in ("0", "65", "many"):
+        r = CliRunner().invoke(main, ["convert", str(fixtures_dir / "llama-bf16"), "/tmp/never", "--workers", bad])
+        assert r.exit_code == 2 and "expected auto or a whole number from 1 to 64" in r.output, r.output

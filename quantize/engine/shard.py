@@ -4,6 +4,7 @@ calibrated engine), in order, and streamed into the file; both sides of a prefil
 The stream engine (RTN) and each rank's writers (engine/writers.py) write their shards through here.
 """
 
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -12,12 +13,13 @@ from pathlib import Path
 
 import torch
 
+from quantize.checkpoint import BANDED
 from quantize.engine.ordered import in_order
 from quantize.phases import Phases, timer
 from quantize.quant import codec, fp4, fp8
 from quantize.safetensors_file import read_tensor
 from quantize.tensor_plan import Entry, Plan
-from quantize.writer import ShardWriter
+from quantize.writer import ShardWriter, crc32
 
 
 def needs_decode(e: Entry) -> bool:
@@ -46,6 +48,8 @@ def produce(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor | None =
     # element by element: that pass cost about as much as the quantization itself. MXFP4's power-of-two scales
     # lose a NaN, so its weights keep the element check.
     scales_tell = e.action == "quantize" and plan.recipe.scheme.fp4 != "mxfp4" and t.name not in plan.fused
+    if w is None and (rows := band_rows(plan, e, device)):
+        return _banded(plan, e, rows, scales_tell, phases)
     if w is None:
         w = plan.ckpt.decode(t, device, phases=phases, check=not scales_tell)
     w = w.to(plan.ckpt.dtype)
@@ -58,8 +62,74 @@ def produce(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor | None =
     return out
 
 
-def _quantized(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The outputs of a weight to quantize and the float scales they were made with."""
+# Rows a band (engine/shard.py's _banded): about half a million elements, whose float temporaries (a few MB) stay in
+# the cache. Whole, a Kimi expert's (2048 x 7168) are 59 MB each: above glibc's mmap threshold (32 MB at most), so
+# every one is fresh pages, faulted in one at a time, and its conversion ran 4x slower (12 against 2.7 ns an element).
+BAND_ELEMENTS = 1 << 19
+
+
+def band_rows(plan: Plan, e: Entry, device: torch.device) -> int:
+    """The rows of a band when `e` is converted a band of rows at a time, else 0 (whole): a large 2-D weight on the
+    CPU, of an encoding whose rows decode alone, under a scheme whose numbers are made row by row (NVFP4's global
+    scale is the whole tensor's, taken over its bands first), and not one of a fused set."""
+    t, s = e.tensor, plan.recipe.scheme
+    if (torch.device(device).type != "cpu" or e.action not in ("quantize", "dequantize") or len(t.shape) != 2
+            or t.encoding not in BANDED):
+        return 0
+    align = 1
+    if e.action == "quantize":
+        if t.name in plan.fused or s.w4a4:
+            return 0
+        if s.fp8_block:
+            align = s.block_structure[0]  # a band holds whole blocks
+        elif not s.fp4 and not s.symmetric:
+            align = 8  # asymmetric zero points pack eight rows an int32
+    rows, cols = t.shape
+    band = max(align, BAND_ELEMENTS // max(cols, 1) // align * align)
+    return band if rows >= 2 * band else 0
+
+
+def _banded(plan: Plan, e: Entry, band: int, scales_tell: bool, phases: Phases | None) -> list[torch.Tensor]:
+    """produce's outputs made a band of rows at a time: the same bytes as whole (every number of these schemes is
+    made within a row, or within a band's whole blocks), the per-row outputs of the bands concatenated."""
+    t, ckpt, timed = e.tensor, plan.ckpt, timer(phases)
+    rows = t.shape[0]
+    with timed("read"):
+        parts = ckpt.read_parts(t)
+    spans = [(r0, min(rows, r0 + band)) for r0 in range(0, rows, band)]
+    if e.action == "dequantize":
+        out = torch.empty(t.shape, dtype=ckpt.dtype)
+        for r in spans:
+            w = ckpt.decode_rows(t, parts, r, phases)
+            with timed("decode"):
+                out[r[0]:r[1]] = w
+        return [out]
+    s, gscale = plan.recipe.scheme, None
+    ws = None
+    if s.fp4 == "nvfp4":  # the global scale is the whole tensor's: its bands are decoded (and kept) first
+        ws = [ckpt.decode_rows(t, parts, r, phases, check=not scales_tell).to(ckpt.dtype) for r in spans]
+        with timed("quantize"):
+            gscale = fp4.global_scale(functools.reduce(torch.maximum, map(fp4.absmax, ws)))
+    made = []
+    for k, r in enumerate(spans):
+        w = ws[k] if ws is not None else ckpt.decode_rows(t, parts, r, phases, check=not scales_tell).to(ckpt.dtype)
+        with timed("quantize"):
+            out, scale = _quantized(plan, e, torch.device("cpu"), w, tuple(t.shape), gscale)
+        if scales_tell and not ckpt.allow_nonfinite and not bool(torch.isfinite(scale).all()):
+            ckpt.check_finite(t, ckpt.decode(t))  # raises, naming the tensor and counting its NaN / Inf values
+        made.append(out)
+        if ws is not None:
+            ws[k] = None
+    # a band's per-row outputs have fewer rows than the whole's; the others (weight_shape, NVFP4's global scale)
+    # are the whole's already
+    return [torch.cat(ts) if tuple(ts[0].shape) != spec.shape else ts[0]
+            for spec, ts in zip(e.outputs, zip(*made, strict=True), strict=True)]
+
+
+def _quantized(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor, shape: tuple[int, int] | None = None,
+               gscale: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The outputs of a weight to quantize and the float scales they were made with; `shape` and `gscale`, for a
+    band of its rows (_banded): the whole weight's shape and NVFP4 global scale."""
     t = e.tensor
     s = plan.recipe.scheme
     if s.fp8_block:
@@ -70,7 +140,7 @@ def _quantized(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor) -> t
         raise AssertionError(f"{t.name} needs calibrated activations (NVFP4 W4A4) but reached round to nearest")
     if s.fp4 == "nvfp4" and t.name in plan.fused:
         return _fused_outputs(plan, e, device, w), None  # its members were decoded with the element check
-    return _rtn(s, w, held=None if s.fp4 else plan.ckpt.lattice(t, s.group_size, w.device))
+    return _rtn(s, w, gscale, held=None if s.fp4 else plan.ckpt.lattice(t, s.group_size, w.device), shape=shape)
 
 
 def rtn_outputs(scheme, w: torch.Tensor, gscale: torch.Tensor | None = None, held=None) -> list[torch.Tensor]:
@@ -79,10 +149,10 @@ def rtn_outputs(scheme, w: torch.Tensor, gscale: torch.Tensor | None = None, hel
     return _rtn(scheme, w, gscale, held)[0]
 
 
-def _rtn(scheme, w: torch.Tensor, gscale: torch.Tensor | None = None, held=None):
-    """rtn_outputs, and the float steps they were made with."""
+def _rtn(scheme, w: torch.Tensor, gscale: torch.Tensor | None = None, held=None, shape=None):
+    """rtn_outputs, and the float steps they were made with; `shape`: the whole weight's, for a band of its rows."""
     p = codec.params(scheme, w, gscale, held)
-    return codec.outputs(scheme, codec.rtn_codes(scheme, w, p), p, tuple(w.shape)), p.step
+    return codec.outputs(scheme, codec.rtn_codes(scheme, w, p), p, shape or tuple(w.shape)), p.step
 
 
 class _Stash:
@@ -158,7 +228,9 @@ def write_shard_pair(
             w = plan.ckpt.decode(e.tensor, device, phases=phases)
         if need_main:
             main = produce(plan, e, device, w if needs_decode(e) else None, phases)
-        return main, (produce(prefill, twin, device, w, phases) if twin is not None else None)
+        second = produce(prefill, twin, device, w, phases) if twin is not None else None
+        # each tensor on the CPU with its crc32, here in the worker: the writer thread only writes
+        return tuple(None if made is None else [crc32(x, phases) for x in made] for made in (main, second))
 
     results = in_order(pool, make, entries, depth) if pool is not None else (make(e) for e in entries)
     results = _waited(results, phases) if phases is not None and pool is not None else results
@@ -166,8 +238,8 @@ def write_shard_pair(
         for e, made in zip(entries, results, strict=True):
             for writer, got, entry in zip(writers, made, (e, twins.get(e.tensor.name)), strict=True):
                 if writer is not None and got is not None:
-                    for spec, tensor in zip(entry.outputs, got, strict=True):
-                        writer.write(spec.name, tensor)
+                    for spec, (tensor, crc) in zip(entry.outputs, got, strict=True):
+                        writer.write(spec.name, tensor, crc)
             advance(e.tensor.stored_bytes)
         return tuple((*w.close(), w.tensors) if w is not None else None for w in writers)
     except BaseException:

@@ -21,11 +21,12 @@ from quantize.checkpoint import INDEX_NAME
 from quantize.destination import check_apart, hold, partial_dir, prepare_check
 from quantize.engine import devices, shard, writers
 from quantize.engine.layer_state import CALIB_DIR
+from quantize.engine.ordered import in_order
 from quantize.engine.state import STATE_NAME, State, fingerprint_parts
 from quantize.errors import QuantizeError
 from quantize.hub import hub_sha256
 from quantize.phases import Phases, timer
-from quantize.tensor_plan import Plan
+from quantize.tensor_plan import Plan, shard_depth, shards_in_flight
 from quantize.verify import verify
 from quantize.writer import (
     MANIFEST_NAME,
@@ -53,6 +54,7 @@ class Result:
     warnings: list[str] = field(default_factory=list)
     prefill: dict | None = None  # the second output of a pair: out, output_bytes, tp_served
     phases: dict = field(default_factory=dict)  # thread-seconds per phase (quantize/phases.py)
+    phases_cpu: dict = field(default_factory=dict)  # the CPU seconds of those threads in each phase
 
     @property
     def gb_per_s(self) -> float:
@@ -224,13 +226,7 @@ def _run(plan, out, device, workers, resume, overwrite, source_info, progress, c
             _write_calibrated(plan, outputs, calibrated, dev, advance)
         else:
             torch.set_num_threads(max(1, compute.cores() // workers))
-            with devices.pool(workers) as pool:
-                for i in todo:
-                    # one more in flight than workers, so that a tensor is ready whenever the writer is
-                    paths = tuple(o.partial / o.names[i] if i in o.todo else None for o in outputs)
-                    pair = shard.write_shard_pair(plan, second.plan if second else None, i, (*paths, None)[:2], dev,
-                                                  advance, pool, depth=workers + 1, phases=phases)
-                    _mark(outputs, i, pair)
+            _write_shards(plan, outputs, todo, dev, workers, advance, phases)
     finally:
         torch.set_num_threads(threads)
         shard.stashes.pop(id(plan), None)
@@ -255,7 +251,28 @@ def _run(plan, out, device, workers, resume, overwrite, source_info, progress, c
                                              "scheme": second.plan.recipe.scheme.label,
                                              "output_bytes": second.plan.out_bytes, "tp_served": second.plan.tp_served},
         phases=phases.to_dict(),
+        phases_cpu=phases.cpu_dict(),
     )
+
+
+def _write_shards(plan: Plan, outputs: list[_Output], todo: list[int], dev: torch.device, workers: int, advance,
+                  phases: Phases) -> None:
+    """The shards to write, several at once where one shard's writer would hold the workers back
+    (tensor_plan.shards_in_flight): the workers are shared, each shard has its writer thread and its hasher, and
+    the state records the shards in order."""
+    in_flight = shards_in_flight(workers, len(todo))
+    depth = shard_depth(workers, in_flight)
+    second = outputs[1].plan if len(outputs) > 1 else None
+
+    def one(i: int) -> tuple:
+        paths = tuple(o.partial / o.names[i] if i in o.todo else None for o in outputs)
+        return shard.write_shard_pair(plan, second, i, (*paths, None)[:2], dev, advance, pool, depth=depth,
+                                      phases=phases)
+
+    with devices.pool(workers) as pool, ThreadPoolExecutor(in_flight, thread_name_prefix="shard") as shards:
+        # at most in_flight shards started: after a failure no other is begun (in_order cancels the rest)
+        for i, pair in zip(todo, in_order(shards, one, todo, in_flight), strict=True):
+            _mark(outputs, i, pair)
 
 
 def _mark(outputs: list[_Output], i: int, pair: tuple) -> None:

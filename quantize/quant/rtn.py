@@ -14,18 +14,26 @@ def int_range(num_bits: int) -> tuple[float, float]:
     return -(2.0 ** (num_bits - 1)), 2.0 ** (num_bits - 1) - 1
 
 
+# max |x| of floats compared as integers: a float's magnitude bits order as an unsigned integer does (NaN's above
+# Inf's), so masking off the sign and taking integer maxima gives the same bits as abs() and float maxima, and it
+# runs in the integer lanes with no float conversion (bf16 maxima widen to float32 on the CPU)
+_MAGNITUDE = {torch.bfloat16: (torch.int16, 0x7FFF), torch.float16: (torch.int16, 0x7FFF),
+              torch.float32: (torch.int32, 0x7FFFFFFF)}
+
+
 def group_absmax(groups: torch.Tensor) -> torch.Tensor:
-    """max |x| over the last dim. A power-of-two group is halved pairwise with elementwise maxima (exact, NaN
-    kept): 2.6x faster than a reduction over a short last dim on the CPU (a 2048 x 7168 bf16 expert in groups of
-    32: 11 ms against 29 ms on one core)."""
-    a = groups.abs()
-    n = a.shape[-1]
+    """max |x| over the last dim (NaN kept). A power-of-two group is halved pairwise with elementwise maxima
+    of the magnitudes as integers (exact): 2.6x faster than a reduction over a short last dim on the CPU (a
+    2048 x 7168 bf16 expert in groups of 32: 11 ms against 29 ms on one core), and as integers faster again."""
+    n = groups.shape[-1]
     if n & (n - 1):
-        return a.amax(dim=-1)
+        return groups.abs().amax(dim=-1)
+    as_int = _MAGNITUDE.get(groups.dtype)
+    a = groups.view(as_int[0]) & as_int[1] if as_int else groups.abs()
     while n > 1:
         n //= 2
         a = torch.maximum(a[..., :n], a[..., n:])
-    return a[..., 0]
+    return a[..., 0].view(groups.dtype)
 
 
 def group_qparams(
@@ -77,7 +85,7 @@ def quantize_groups(
     scaled = x / scale.unsqueeze(-1)
     if zero_point is not None:
         scaled = scaled + zero_point.unsqueeze(-1).to(w.dtype)
-    q = torch.round(torch.clamp(scaled, q_min, q_max))
+    q = scaled.clamp_(q_min, q_max).round_()  # in place: `scaled` is this function's own (x / scale made it)
     return q.to(torch.int8).reshape(out_features, in_features)
 
 
