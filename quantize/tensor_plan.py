@@ -12,14 +12,14 @@ import torch
 
 from quantize import arch, serving
 from quantize.arch import layout
-from quantize.checkpoint import FP4_FORMATS, Checkpoint, LogicalTensor
+from quantize.checkpoint import BANDED, FP4_FORMATS, Checkpoint, LogicalTensor
 from quantize.errors import QuantizeError, UsageError
 from quantize.quant import fp8, lattice, pack
 from quantize.recipe import Recipe
 from quantize.safetensors_file import DTYPE_NAMES, TensorSpec, read_tensor
 
 TP_SIZES = (1, 2, 4, 8, 16)
-# decode (fp32) + model-dtype copy + scaled copy + codes + packed, per element, over the stored bytes
+# a whole tensor's decode (fp32) + model-dtype copy + scaled copy + codes + packed, per element
 WORK_BYTES_PER_ELEMENT = 4 + 2 + 2 + 1 + 1
 
 
@@ -478,16 +478,55 @@ def shards_in_flight(workers: int, shards: int | None = None) -> int:
 
 
 def shard_depth(workers: int, in_flight: int) -> int:
-    """Tensors a shard has in flight: its share of the workers, and one more, so that one is ready whenever its
-    writer is."""
-    return -(-workers // in_flight) + 1
+    """Tensors a shard has in flight: twice its share of the workers, and one more, so that one is ready whenever
+    its writer is and a large tensor holds no worker idle behind it (2 workers: 3 in flight gave 6.1-6.6 s on the
+    2.43 GB bench, 5 gave 5.6-5.9 s, at the same peak RSS)."""
+    return 2 * -(-workers // in_flight) + 1
 
 
-def peak_work_bytes(plan: Plan, workers: int) -> int:
+# Rows a band (engine/shard.py's _banded converts a large weight a band of rows at a time): about half a million
+# elements, whose float temporaries (a few MB) stay in the cache. Whole, a Kimi expert's (2048 x 7168) are 59 MB
+# each: above glibc's mmap threshold (32 MB at most), so every one is fresh pages, faulted in one at a time, and
+# its conversion ran 4x slower (12 against 2.7 ns an element).
+BAND_ELEMENTS = 1 << 19
+
+
+def band_rows(plan: Plan, e: Entry, device: torch.device | str) -> int:
+    """The rows of a band when `e` is converted a band of rows at a time, else 0 (whole): a large 2-D weight on the
+    CPU, of an encoding whose rows decode alone, under a scheme whose numbers are made row by row (NVFP4's global
+    scale is the whole tensor's, taken over its bands first), and not one of a fused set."""
+    t, s = e.tensor, plan.recipe.scheme
+    if (torch.device(device).type != "cpu" or e.action not in ("quantize", "dequantize") or len(t.shape) != 2
+            or t.encoding not in BANDED):
+        return 0
+    align = 1
+    if e.action == "quantize":
+        if t.name in plan.fused or s.w4a4:
+            return 0
+        if s.fp8_block:
+            align = s.block_structure[0]  # a band holds whole blocks
+        elif not s.fp4 and not s.symmetric:
+            align = 8  # asymmetric zero points pack eight rows an int32
+    rows, cols = t.shape
+    band = max(align, BAND_ELEMENTS // max(cols, 1) // align * align)
+    return band if rows >= 2 * band else 0
+
+
+def work_bytes(plan: Plan, e: Entry, device: str = "cpu") -> int:
+    """Memory one tensor in flight holds: a kept tensor its bytes (read, then written as they are); a banded one
+    its source and outputs and one band's float temporaries; a whole one its float copies (WORK_BYTES_PER_ELEMENT)."""
+    if e.action in ("keep", "passthrough"):
+        return e.tensor.stored_bytes
+    if band_rows(plan, e, device):
+        return e.tensor.stored_bytes + e.out_bytes + BAND_ELEMENTS * WORK_BYTES_PER_ELEMENT
+    return math.prod(e.tensor.shape) * WORK_BYTES_PER_ELEMENT
+
+
+def peak_work_bytes(plan: Plan, workers: int, device: str = "cpu") -> int:
     """Memory the stream engine needs at once: the largest tensors in flight (each shard in flight's depth, see
     engine/stream.py)."""
     in_flight = shards_in_flight(workers, len(plan.shards))
-    sizes = sorted((math.prod(e.tensor.shape) * WORK_BYTES_PER_ELEMENT for e in plan.entries), reverse=True)
+    sizes = sorted((work_bytes(plan, e, device) for e in plan.entries), reverse=True)
     return sum(sizes[: in_flight * shard_depth(workers, in_flight)])
 
 
@@ -495,7 +534,7 @@ def auto_workers(plan: Plan, device: str, cores: int) -> int:
     """`--workers auto`: one a core, fewer where the largest tensors in flight would pass three quarters of the
     free memory (of the GPU, with --device cuda); at least one (check_memory then says what does not fit)."""
     free = _free_bytes(device)[0] * 3 // 4
-    return next((w for w in range(max(1, cores), 1, -1) if peak_work_bytes(plan, w) <= free), 1)
+    return next((w for w in range(max(1, cores), 1, -1) if peak_work_bytes(plan, w, device) <= free), 1)
 
 
 def _free_bytes(device: str) -> tuple[int, str]:
@@ -507,7 +546,7 @@ def _free_bytes(device: str) -> tuple[int, str]:
 def check_memory(plan: Plan, workers: int, device: str) -> None:
     if workers == 0:  # a rank > 0: what its writers hold is in the account every rank agrees on (agreement.py)
         return
-    need = peak_work_bytes(plan, workers)
+    need = peak_work_bytes(plan, workers, device)
     free, where = _free_bytes(device)
     if need > free:
         raise QuantizeError(

@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import read_all
 
-from quantize import recipe
+from quantize import recipe, tensor_plan
 from quantize.checkpoint import Checkpoint
 from quantize.engine import shard, stream
 from quantize.quant import fp8
@@ -40,7 +40,7 @@ def test_banded_bytes_are_the_whole_tensors(kind, scheme, symmetric, fixtures_di
     whole = _convert(src, tmp_path / "whole", scheme, symmetric)
     banded = []
     real = shard._banded
-    monkeypatch.setattr(shard, "BAND_ELEMENTS", 1000)
+    monkeypatch.setattr(tensor_plan, "BAND_ELEMENTS", 1000)
     monkeypatch.setattr(shard, "_banded", lambda plan, e, *a: banded.append(e.tensor.name) or real(plan, e, *a))
     bands = _convert(src, tmp_path / "bands", scheme, symmetric, workers=2)
     assert set(bands) == set(whole) and not _same(whole, bands)
@@ -96,6 +96,6 @@ def test_a_nan_in_a_band_is_refused_naming_the_tensor(fixtures_dir, tmp_path, mo
         if target:
             save_file(tensors, f, metadata={"format": "pt"})
             break
-    monkeypatch.setattr(shard, "BAND_ELEMENTS", 1000)
+    monkeypatch.setattr(tensor_plan, "BAND_ELEMENTS", 1000)
     with pytest.raises(QuantizeError, match=rf"{target.replace('.', '[.]')} holds 1 NaN"):
         _convert(src, tmp_path / "out", "w4a16", True)

@@ -1,6 +1,7 @@
 """End-to-end conversions of the tiny fixtures: layout, schema, loading in transformers, passthrough."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from quantize.engine import shard as engine_shard
 from quantize.engine import stream
 from quantize.errors import UsageError
 from quantize.quant import rtn
+from quantize.safetensors_file import TensorSpec
 from quantize.tensor_plan import build
 
 
@@ -484,3 +486,37 @@ def test_workers_auto_is_the_cores_within_memory(fixtures_dir, monkeypatch):
     for bad in ("0", "65", "many"):
         r = CliRunner().invoke(main, ["convert", str(fixtures_dir / "llama-bf16"), "/tmp/never", "--workers", bad])
         assert r.exit_code == 2 and "expected auto or a whole number from 1 to 64" in r.output, r.output
+
+
+def test_memory_in_flight_is_counted_by_what_each_tensor_holds(fixtures_dir, monkeypatch):
+    """The stream engine's memory account (tensor_plan.work_bytes): a kept tensor holds its bytes (read, then
+    written as they are), a banded weight its source, its outputs and one band's temporaries, a whole one its float
+    copies. Counted at 10 bytes an element as before, Kimi K2's kept embedding and lm_head (163840 x 7168 bf16,
+    2.3 GB each) made 23.5 GB, and a 24 GB machine was refused the RTN of Kimi K2 it can run."""
+    from pathlib import Path
+
+    from quantize import tensor_plan
+    from quantize.checkpoint import LogicalTensor
+    from quantize.safetensors_file import TensorInfo
+
+    plan = build(Checkpoint(fixtures_dir / "kimi-k2-fp8"), recipe.load(RECIPES / "kimi-k2-w4a16.yaml"),
+                 max_shard_size=2**20)
+    monkeypatch.setattr(tensor_plan, "BAND_ELEMENTS", 256)
+    kinds = set()
+    for e in plan.entries:
+        got = tensor_plan.work_bytes(plan, e)
+        if e.action in ("keep", "passthrough"):
+            assert got == e.tensor.stored_bytes
+            kinds.add("kept")
+        elif tensor_plan.band_rows(plan, e, "cpu"):
+            assert got == e.tensor.stored_bytes + e.out_bytes + 256 * tensor_plan.WORK_BYTES_PER_ELEMENT
+            kinds.add("banded")
+        else:
+            assert got == math.prod(e.tensor.shape) * tensor_plan.WORK_BYTES_PER_ELEMENT
+            kinds.add("whole")
+    assert {"kept", "banded"} <= kinds
+    shape = (163840, 7168)
+    info = TensorInfo("model.embed_tokens.weight", Path("x.safetensors"), "BF16", shape, 0, 2 * shape[0] * shape[1])
+    embed = tensor_plan.Entry(LogicalTensor(info.name, shape, "float", {"tensor": info}), plan.entries[0].role,
+                              "keep", (TensorSpec(info.name, "BF16", shape),))
+    assert tensor_plan.work_bytes(plan, embed) == 2 * 163840 * 7168  # 2.35 GB, not 11.7

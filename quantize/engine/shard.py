@@ -13,12 +13,11 @@ from pathlib import Path
 
 import torch
 
-from quantize.checkpoint import BANDED
 from quantize.engine.ordered import in_order
 from quantize.phases import Phases, timer
 from quantize.quant import codec, fp4, fp8
 from quantize.safetensors_file import read_tensor
-from quantize.tensor_plan import Entry, Plan
+from quantize.tensor_plan import Entry, Plan, band_rows
 from quantize.writer import ShardWriter, crc32
 
 
@@ -60,33 +59,6 @@ def produce(plan: Plan, e: Entry, device: torch.device, w: torch.Tensor | None =
     if scales_tell and scale is not None and not plan.ckpt.allow_nonfinite and not bool(torch.isfinite(scale).all()):
         plan.ckpt.check_finite(t, w)  # raises, naming the tensor and counting its NaN / Inf values
     return out
-
-
-# Rows a band (engine/shard.py's _banded): about half a million elements, whose float temporaries (a few MB) stay in
-# the cache. Whole, a Kimi expert's (2048 x 7168) are 59 MB each: above glibc's mmap threshold (32 MB at most), so
-# every one is fresh pages, faulted in one at a time, and its conversion ran 4x slower (12 against 2.7 ns an element).
-BAND_ELEMENTS = 1 << 19
-
-
-def band_rows(plan: Plan, e: Entry, device: torch.device) -> int:
-    """The rows of a band when `e` is converted a band of rows at a time, else 0 (whole): a large 2-D weight on the
-    CPU, of an encoding whose rows decode alone, under a scheme whose numbers are made row by row (NVFP4's global
-    scale is the whole tensor's, taken over its bands first), and not one of a fused set."""
-    t, s = e.tensor, plan.recipe.scheme
-    if (torch.device(device).type != "cpu" or e.action not in ("quantize", "dequantize") or len(t.shape) != 2
-            or t.encoding not in BANDED):
-        return 0
-    align = 1
-    if e.action == "quantize":
-        if t.name in plan.fused or s.w4a4:
-            return 0
-        if s.fp8_block:
-            align = s.block_structure[0]  # a band holds whole blocks
-        elif not s.fp4 and not s.symmetric:
-            align = 8  # asymmetric zero points pack eight rows an int32
-    rows, cols = t.shape
-    band = max(align, BAND_ELEMENTS // max(cols, 1) // align * align)
-    return band if rows >= 2 * band else 0
 
 
 def _banded(plan: Plan, e: Entry, band: int, scales_tell: bool, phases: Phases | None) -> list[torch.Tensor]:
