@@ -14,6 +14,7 @@ import functools
 import torch
 
 from quantize import hf
+from quantize.quant import rtn
 
 NVFP4_GROUP = 16
 MXFP4_GROUP = 32
@@ -34,9 +35,11 @@ def _ct():
 
 
 def _groups(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-group min and max of w [out, in] in w's dtype, [out, in / group_size]."""
-    g = w.unflatten(-1, (-1, group_size))
-    return torch.amin(g, dim=-1), torch.amax(g, dim=-1)
+    """(-max |w|, max |w|) per group of w [out, in] in w's dtype, [out, in / group_size]: what calculate_qparams
+    needs of a symmetric scheme's min and max (it takes max(|min(lo, 0)|, |max(hi, 0)|), which is max |w|, exactly),
+    from rtn.group_absmax's integer maxima: amin and amax, short reductions, took two thirds of the scales' time."""
+    a = rtn.group_absmax(w.unflatten(-1, (-1, group_size)))
+    return -a, a
 
 
 def absmax(w: torch.Tensor) -> torch.Tensor:
