@@ -58,7 +58,7 @@ class _File:
                 raise
             self.direct, self.fd = False, os.open(path, flags, 0o644)
         self.stage = mmap.mmap(-1, STAGING) if self.direct else None  # mmap memory is page-aligned
-        self.fill = self.size = self.flushed = 0
+        self.fill = self.size = self.flushed = self.on_disk = 0
 
     def write(self, data) -> None:
         data = memoryview(data).cast("B")
@@ -80,9 +80,11 @@ class _File:
         view = memoryview(self.stage)[:n]
         try:
             while len(view):
-                view = view[os.write(self.fd, view):]
+                done = os.write(self.fd, view)
+                self.on_disk += done
+                view = view[done:]
         except OSError as e:
-            if e.errno != errno.EINVAL or self.size > STAGING + len(view) or len(view) != n:
+            if e.errno != errno.EINVAL or self.on_disk:
                 raise
             # the filesystem opened the file O_DIRECT but refuses its writes: nothing is on disk yet; go buffered
             fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)

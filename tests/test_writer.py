@@ -71,10 +71,11 @@ def test_a_filesystem_without_o_direct_gets_buffered_writes(tmp_path, monkeypatc
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", no_direct_write)
-    path = tmp_path / "b.safetensors"
-    tensors, size, sha, direct = _write(path)
-    assert not direct
-    _check(path, tensors, size, sha)
+    for name, sizes in (("b", SIZES), ("c", [3 * writer.STAGING + 5, 7])):  # c: the first tensor spans 3 stages
+        path = tmp_path / f"{name}.safetensors"
+        tensors, size, sha, direct = _write(path, sizes)
+        assert not direct
+        _check(path, tensors, size, sha)
 
 
 def test_a_full_disk_mid_shard_is_one_clear_error_and_no_tmp(tmp_path, monkeypatch):
