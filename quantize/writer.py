@@ -153,7 +153,7 @@ def crc32(tensor: torch.Tensor, phases=None) -> tuple[torch.Tensor, int]:
     the tensor so that the writer thread only writes."""
     cpu = tensor.detach().to("cpu").contiguous()
     with timer(phases)("crc32"):
-        return cpu, zlib.crc32(cpu.view(torch.uint8).numpy())
+        return cpu, zlib.crc32(tensor_bytes(cpu))
 
 
 class ShardWriter:
@@ -168,7 +168,6 @@ class ShardWriter:
     def __init__(self, path: Path, specs: list[TensorSpec], sha256: bool = True, phases=None):
         self.path, self.specs, self._next = path, specs, 0
         self.timed = timer(phases)  # quantize/phases.py: write, crc32, sha256
-        self.phases = phases
         self.tmp = path.with_name(path.name + ".tmp")
         self.sha = _Hasher(phases) if sha256 else None
         self.tensors: dict[str, dict] = {}  # name -> dtype, shape, crc32 of its bytes (for the manifest)
