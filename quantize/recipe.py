@@ -36,6 +36,11 @@ class GPTQParams:
     # tokens: more than dampening_frac for a Hessian built from fewer tokens than its width (a thinly routed
     # expert's, gptq.damping); fixed: dampening_frac of the mean diagonal for every Hessian (llm-compressor's)
     dampening: str = "tokens"
+    # after GPTQ, each dense decoder layer's Linears tuned on the layer's output (engine/tune.py): tune_iters signed
+    # steps (0: none), each over tune_batch of the tune_samples samples spread over the calibration set
+    tune_iters: int = 0
+    tune_samples: int = 32
+    tune_batch: int = 4
 
 
 @dataclass(frozen=True)
@@ -214,7 +219,7 @@ class Recipe:
 
 
 def with_overrides(r: Recipe, where: str, method: str | None = None, calibration: dict | None = None,
-                   kv_cache: str | None = None, scales: str | None = None) -> Recipe:
+                   kv_cache: str | None = None, scales: str | None = None, tune_iters: int | None = None) -> Recipe:
     """The recipe with the command line's options in place, checked again by every rule of from_dict: an option
     must not let through what the same recipe written in its file is refused for (an FP8-block recipe with
     --method gptq)."""
@@ -222,7 +227,8 @@ def with_overrides(r: Recipe, where: str, method: str | None = None, calibration
     d["method"] = method or r.method
     d["calibration"] = {**vars(r.calibration), **(calibration or {})}
     if d["method"] == "gptq":
-        d["gptq"] = {**vars(r.gptq), **({"scales": scales} if scales else {})}
+        d["gptq"] = {**vars(r.gptq), **({"scales": scales} if scales else {}),
+                     **({"tune_iters": tune_iters} if tune_iters is not None else {})}
     elif d["method"] == "awq":
         d["awq"] = vars(r.awq)
     if kv_cache:
@@ -320,6 +326,8 @@ def from_dict(raw: object, where: str) -> Recipe:
     gptq = _section(GPTQParams, raw.get("gptq"), "gptq", where)
     if not 0 <= gptq.dampening_frac < 1 or gptq.block_size < 1 or gptq.actorder not in ("static", None):
         raise UsageError(f"{where}: gptq needs 0 <= dampening_frac < 1, block_size >= 1, actorder static or null")
+    if gptq.tune_iters < 0 or gptq.tune_samples < 1 or gptq.tune_batch < 1:
+        raise UsageError(f"{where}: gptq needs tune_iters >= 0, tune_samples >= 1 and tune_batch >= 1")
     if gptq.scales not in SCALE_RULES or gptq.dampening not in DAMPING_RULES:
         raise UsageError(f"{where}: gptq scales must be one of {', '.join(SCALE_RULES)}, dampening one of "
                          f"{', '.join(DAMPING_RULES)}")

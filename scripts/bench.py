@@ -364,6 +364,42 @@ AutoTokenizer.from_pretrained(src).save_pretrained(out)
 
 PPL_TEXT = Path("/usr/share/common-licenses/GPL-3")
 
+# Intel's auto-round (SignRound), the reference of issue 39, as a user runs it: its defaults but the scheme and the
+# calibration windows (ours, the same token ids), fake-quantized weights saved in the model's layout.
+AUTOROUND_VERSION = "0.16.1"
+AUTOROUND = r"""
+import json, sys, torch
+from pathlib import Path
+from transformers import AutoModelForCausalLM, AutoTokenizer
+import auto_round
+from auto_round import AutoRound
+src, out, samples_file, group, iters, dtype = sys.argv[1:3] + [sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]]
+ids = [torch.tensor([x]) for x in json.load(open(samples_file))]
+assert auto_round.__version__ == sys.argv[7], auto_round.__version__
+model = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype))
+tok = AutoTokenizer.from_pretrained(src)
+ar = AutoRound(model, tok, bits=4, group_size=group, sym=True, dataset=ids, nsamples=len(ids), seqlen=ids[0].shape[1],
+               iters=iters)
+ar.quantize_and_save(out, format="fake")
+"""
+
+
+def autoround(work: Path, src: Path, out: Path, samples: Path, group_size: int, iters: int) -> list[str]:
+    """The command of auto-round (AUTOROUND) in its own process. auto-round is a bench dependency, never a runtime
+    one: installed here without its dependencies (llm-compressor's environment has them all; its own pin of
+    auto-round is older) into a folder put first on the path of that process alone."""
+    site = work.parent / f"auto-round-{AUTOROUND_VERSION}"
+    if not (site / "auto_round").is_dir():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
+                        f"auto-round=={AUTOROUND_VERSION}"], check=True)
+    return ["env", f"PYTHONPATH={site}", sys.executable, "-c", AUTOROUND, str(src), str(out), str(samples),
+            str(group_size), str(iters), str(forward_dtype()).removeprefix("torch."), AUTOROUND_VERSION]
+
+
+def saved_model(out: Path) -> Path:
+    """The folder under `out` that holds the saved model (auto-round saves into a subfolder named for it)."""
+    return out if (out / "config.json").exists() else next(p.parent for p in sorted(out.rglob("config.json")))
+
 
 def forward_dtype() -> torch.dtype:
     """What the reference's forwards and every perplexity compute in: bf16, SmolLM2's own dtype, where the CPU
@@ -415,6 +451,14 @@ def calibration_text(work: Path, tokens: int = 0) -> Path:
     return path
 
 
+def rule_flags(rule: str | None) -> list[str]:
+    """A scale rule of --scales as convert's flags: hessian, minmax, or either with tuning (hessian+tune20)."""
+    if not rule:
+        return []
+    scales, _, iters = rule.partition("+tune")
+    return ["--scales", scales, *(["--tune-iters", iters] if iters else [])]
+
+
 def bench_calibrated(args) -> dict:
     """Our layerwise GPTQ or AWQ vs llm-compressor's oneshot on SmolLM2, same token windows, plus our RTN.
 
@@ -445,6 +489,8 @@ def bench_calibrated(args) -> dict:
     tag = lambda seed: "" if seed == 0 else f"-seed{seed}"  # noqa: E731 - seed 0 keeps the folder names it had
     outs = {"rtn": work / f"smol-{args.scheme}-rtn"} | ({"llmc-rtn": work / f"smol-{args.scheme}-llmc-rtn"} if fp4 else {})
     rules = args.scales.split(",") if m == "gptq" else [None]
+    ar_iters = [int(x) for x in args.autoround.split(",") if x] if m == "gptq" and not fp4 else []
+    ar_runs: dict[int, list] = {iters: [] for iters in ar_iters}
     name = lambda rule, seed: f"{m}{'' if rule in (None, rules[0]) else '-' + rule}{tag(seed)}"  # noqa: E731
     cal_rtn = m == "gptq" and args.rtn_samples > 0  # calibrated RTN on every draw too, against GPTQ's gap
     for seed in seeds:
@@ -453,6 +499,8 @@ def bench_calibrated(args) -> dict:
         if cal_rtn:
             outs[f"rtn-calib{tag(seed)}"] = work / f"smol-{args.scheme}-rtn-calib{tag(seed)}"
         outs[f"llmc-{m}{tag(seed)}"] = work / f"smol-{args.scheme}-llmc-{m}{tag(seed)}"
+        for iters in ar_iters:
+            outs[f"autoround{iters}{tag(seed)}"] = work / f"smol-{args.scheme}-autoround{iters}{tag(seed)}"
     for d in outs.values():
         fresh(d)
     common = ["--scheme", args.scheme, "--json", *(() if fp4 else ("--group-size", str(args.group_size)))]
@@ -476,13 +524,16 @@ def bench_calibrated(args) -> dict:
                 fresh(ours)
                 runs[rule].append(measure([sys.executable, "-m", "quantize", "convert", str(src), str(ours), *common,
                                            "--method", m, "--calib", str(data), "--num-samples", str(args.num_samples),
-                                           "--seq-len", str(args.seq_len), "--seed", str(seed),
-                                           *(["--scales", rule] if rule else [])]))
+                                           "--seq-len", str(args.seq_len), "--seed", str(seed), *rule_flags(rule)]))
             fresh(ref)
             ref_runs.append(measure(oneshot(src, ref, work / f"samples-{seed}.json", args.group_size, m, args.scheme)))
+            for iters in ar_iters:
+                fresh(outs[f"autoround{iters}{tag(seed)}"])
+                ar_runs[iters].append(measure(autoround(work, src, outs[f"autoround{iters}{tag(seed)}"],
+                                                        work / f"samples-{seed}.json", args.group_size, iters)))
     ours, ref = best_of(runs[rules[0]]), best_of(ref_runs)
     text = PPL_TEXT.read_text()
-    ppl = {"bf16": perplexity(src, text)} | {n: perplexity(d, text) for n, d in outs.items()}
+    ppl = {"bf16": perplexity(src, text)} | {n: perplexity(saved_model(d), text) for n, d in outs.items()}
     draws = [{"seed": seed, "ours": ppl[f"{m}{tag(seed)}"], "llmc": ppl[f"llmc-{m}{tag(seed)}"],
               "ratio": ppl[f"{m}{tag(seed)}"] / ppl[f"llmc-{m}{tag(seed)}"]} for seed in seeds]
     # per scale rule: the share of llm-compressor's gap to bf16 that it closes, draw by draw (paired)
@@ -497,6 +548,24 @@ def bench_calibrated(args) -> dict:
             "seconds_best": best_of(runs[rule])["seconds"], "seconds": [r["seconds"] for r in runs[rule]],
             "seconds_vs_first_rule": best_of(runs[rule])["seconds"] / best_of(runs[rules[0]])["seconds"]}
     spread = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
+    for iters in ar_iters:  # auto-round on the same draws: its gap closed, and each rule's paired difference to it
+        mine = [ppl[f"autoround{iters}{tag(s)}"] for s in seeds]
+        closed = [(ppl[f"llmc-{m}{tag(s)}"] - p) / (ppl[f"llmc-{m}{tag(s)}"] - ppl["bf16"])
+                  for s, p in zip(seeds, mine, strict=True)]
+        vs = {}
+        for rule in rules:
+            diff = [ppl[name(rule, s)] - p for s, p in zip(seeds, mine, strict=True)]
+            vs[rule] = {"ppl_minus_autoround_per_draw": diff, "mean": statistics.mean(diff),
+                        "stderr": spread(diff) / math.sqrt(len(diff)),
+                        "seconds_ratio": best_of(runs[rule])["seconds"] / best_of(ar_runs[iters])["seconds"]}
+        by_rule[f"autoround-iters{iters}"] = {
+            "version": AUTOROUND_VERSION, "settings": {"bits": 4, "group_size": args.group_size, "sym": True,
+                                                       "iters": iters, "nsamples": args.num_samples,
+                                                       "seqlen": args.seq_len, "format": "fake"},
+            "perplexity": mine, "mean": statistics.mean(mine), "gap_closed_per_draw": closed,
+            "gap_closed_mean": statistics.mean(closed), "gap_closed_stderr": spread(closed) / math.sqrt(len(closed)),
+            "seconds_best": best_of(ar_runs[iters])["seconds"], "seconds": [r["seconds"] for r in ar_runs[iters]],
+            "peak_rss": best_of(ar_runs[iters])["peak_rss"], "ours_vs_it": vs}
     if cal_rtn:  # the share of the gap from our plain RTN down to llm-compressor's GPTQ that calibrated RTN closes
         closed = [(ppl["rtn"] - ppl[f"rtn-calib{tag(s)}"]) / (ppl["rtn"] - ppl[f"llmc-{m}{tag(s)}"]) for s in seeds]
         by_rule["rtn-calib"] = {
@@ -1061,8 +1130,11 @@ def main() -> None:
         q.add_argument("--dither", type=float, default=0.0, help="build SmolLM2 with build_smollm2.py --dither F (its "
                        "weights off the GGUF's 4-bit lattice); 0: the plain build")
         if method == "gptq":
+            q.add_argument("--autoround", default="", help="also auto-round at these iters on every draw, e.g. 200,50 "
+                           "(its default and its light preset; W4A16)")
             q.add_argument("--scales", default="minmax", help="our GPTQ's scale rules to run, e.g. minmax,hessian "
-                           "(each on every draw; the first is the one compared byte for byte)")
+                           "(each on every draw; the first is the one compared byte for byte); +tuneN adds --tune-iters N, e.g. "
+                           "hessian+tune20")
             q.add_argument("--rtn-samples", type=int, default=0, help="also our calibrated RTN (--method rtn --calib) "
                            "on every draw, with this many samples (0: not run)")
         q.add_argument("--seeds", default="0", help="calibration draws, e.g. 0,1,2,3: both tools quantize each "

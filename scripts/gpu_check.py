@@ -68,6 +68,7 @@ class Ctx:
     cuda_outputs: dict = dataclasses.field(default_factory=dict)
     errors: dict = dataclasses.field(default_factory=dict)  # output name -> mean weight error by module kind
     memory: dict = dataclasses.field(default_factory=dict)  # output name -> (peak GPU bytes, account bytes)
+    layers: dict = dataclasses.field(default_factory=dict)  # output name -> the layer reports (phases, tuned error)
 
     @property
     def cuda(self) -> bool:
@@ -88,7 +89,7 @@ def files(folder: Path) -> dict[str, bytes]:
 
 def convert(ctx: Ctx, kind: str, out: Path, device: str | None = None, method: str = "gptq", offload: str = "auto",
             recipe_name: str | None = None, scheme: str = "w4a16", group_size: int = 32, kv: str | None = None,
-            samples: int = 8, seq_len: int = 64) -> dict[str, bytes]:
+            samples: int = 8, seq_len: int = 64, tune_iters: int = 0) -> dict[str, bytes]:
     """One calibrated conversion in this process (the library the CLI calls); verified; its shard bytes."""
     import torch
 
@@ -104,7 +105,8 @@ def convert(ctx: Ctx, kind: str, out: Path, device: str | None = None, method: s
     r = recipes.load(ROOT / "recipes" / f"{recipe_name}.yaml") if recipe_name else recipes.preset(scheme, group_size,
                                                                                                    method)
     r = dataclasses.replace(r, method=method, kv_cache=kv, calibration=dataclasses.replace(
-        r.calibration, data=str(ctx.calib), num_samples=samples, seq_len=seq_len))
+        r.calibration, data=str(ctx.calib), num_samples=samples, seq_len=seq_len),
+        gptq=dataclasses.replace(r.gptq, tune_iters=tune_iters))
     plan = tensor_plan.build(Checkpoint(src), r, 2**20, device=device)
     ids = calib.load_samples(str(ctx.calib), calib.load_tokenizer(src), samples, seq_len)
     devices.bind(device)
@@ -119,6 +121,7 @@ def convert(ctx: Ctx, kind: str, out: Path, device: str | None = None, method: s
     finally:
         hook.close()
     ctx.errors[out.name] = hook.quantizer.stats.mean_error()
+    ctx.layers[out.name] = hook.quantizer.stats.layers
     if cuda:
         ctx.memory[out.name] = (torch.cuda.max_memory_allocated(device) - base, hook.account.total)
     report = verify(out)
@@ -251,6 +254,33 @@ def awq(ctx: Ctx) -> str:
         b = convert(ctx, kind, ctx.work / f"awq-{kind}-b", method="awq", recipe_name=recipe_name)
         assert a == b, f"{kind}: two AWQ runs gave different bytes"
     return "Kimi and Llama: verified, the same bytes twice"
+
+
+@check(300)
+def tuned_gptq(ctx: Ctx) -> str:
+    """GPTQ then the layer-output tuning (engine/tune.py: autograd through transformers' layer on the device): the
+    fixture twice (the same bytes?), then an 8B-shaped dense layer (hidden 4096, MLP 14336; 32 x 2048 tokens on a
+    GPU) for the tuning's seconds beside the forward's and the solve's."""
+    import bench
+
+    a = convert(ctx, "llama-bf16", ctx.work / "tuned-a", recipe_name="dense-w4a16", tune_iters=10)
+    b = convert(ctx, "llama-bf16", ctx.work / "tuned-b", recipe_name="dense-w4a16", tune_iters=10)
+    dropped = sum(t[1] < t[0] for t in (x.tuned for x in ctx.layers["tuned-a"]) if t)
+    hidden, inter, samples, seq = (4096, 14336, 32, 2048) if ctx.cuda else (512, 1408, 4, 128)
+    src = ctx.work / f"llama-{hidden}"
+    if not (src / "config.json").exists():
+        bench.synthetic_llama(src, 2, hidden, inter)
+    ctx.fixtures, fixtures = ctx.work, ctx.fixtures
+    try:
+        convert(ctx, src.name, ctx.work / "tuned-big", group_size=128, samples=samples, seq_len=seq, tune_iters=20)
+    finally:
+        ctx.fixtures = fixtures
+    phases = [{k: round(v, 2) for k, v in x.phases.items()} for x in ctx.layers["tuned-big"]]
+    (ctx.out / "tuned-phases.json").write_text(json.dumps({"hidden": hidden, "inter": inter, "samples": samples,
+                                                           "seq_len": seq, "tune_iters": 20, "phases": phases,
+                                                           "tuned": [x.tuned for x in ctx.layers["tuned-big"]]}))
+    assert a == b, f"two tuned runs gave different bytes ({dropped} layers' error dropped)"
+    return f"fixture: the same bytes twice, {dropped} layers' error dropped; {hidden}/{inter} layers: {phases}"
 
 
 def _cli(ctx: Ctx, kind: str, out: Path, *extra: str) -> list[str]:

@@ -44,6 +44,7 @@ from torch import nn
 from quantize import compute, kvcache, serving
 from quantize.engine import agreement, devices, distributed, memory, writers
 from quantize.engine import experts as routed
+from quantize.engine import tune as tuning
 from quantize.engine.activations import ActivationStore, TokenBuffer, release_freed_memory
 from quantize.engine.awq_experts import AWQExperts
 from quantize.engine.awq_layer import awq_layer, takes_topk
@@ -51,6 +52,7 @@ from quantize.engine.hessians import Hessians
 from quantize.engine.layer_state import CALIB_DIR, LayerCheckpoint, Resume, samples_key
 from quantize.errors import QuantizeError
 from quantize.quant import codec, fp4, gptq, precision, scales
+from quantize.quant.signround import Tunable
 from quantize.tensor_plan import Entry, Plan
 
 
@@ -124,6 +126,7 @@ class LayerReport:
     kv_scale: list[float] | None = None  # FP8 KV cache (k_scale, v_scale) measured on this layer
     phases: dict[str, float] = field(default_factory=dict)  # seconds: forward, dense, experts, routed_output_...
     routed_bytes: int = 0  # this rank's bytes of the routed-output exchange (the rows its groups touched)
+    tuned: list[float] | None = None  # the layer's output error before and after tuning (engine/tune.py)
 
 
 @dataclass
@@ -802,24 +805,82 @@ class LayerwiseQuantizer:
         for m in sorted(dense_targets):
             by_input[id(by_module[m])].append(m)
         del hessians
+        tuning = self._tunes(i, moe)
+        solved: dict[str, tuple] = {}
         for names in by_input.values():
             H = by_module[names[0]]
-            done = self._quantize_stacked(names, [modules[m].weight.data for m in names], H, targets)
+            done = self._quantize_stacked(names, [modules[m].weight.data for m in names], H, targets, values=tuning)
             for m, result in zip(names, done, strict=True):
-                self._commit(modules[m], targets[m], *result, report, input_amax.get(m))
+                if tuning:
+                    solved[m] = result  # committed after the tuning, which needs the float layer's outputs
+                else:
+                    self._commit(modules[m], targets[m], *result[:3], report, input_amax.get(m))
             del H
             release_freed_memory()
         by_module.clear()
         report.phases["dense"] = time.perf_counter() - t1
+        if tuning:
+            t2 = time.perf_counter()
+            for m, result in self._tune(layer, i, solved, targets, report).items():
+                self._commit(modules[m], targets[m], *result, report, input_amax.get(m))
+            report.phases["tune"] = time.perf_counter() - t2
         return moe
 
+    def _tunes(self, i: int, moe) -> bool:
+        """Whether layer i's dense Linears are tuned after GPTQ (engine/tune.py): asked for, on rank 0, a symmetric
+        INT4 scheme, and a layer without routed experts (its output would need them, streamed apart)."""
+        s = self.recipe.scheme
+        return (self.recipe.gptq.tune_iters > 0 and self.rank == 0 and moe is None and not s.fp4
+                and s.symmetric and s.num_bits == 4)
+
+    def _tune(self, layer: nn.Module, i: int, solved: dict[str, tuple], targets: dict[str, Entry],
+              report: LayerReport) -> dict[str, tuple]:
+        """GPTQ's results of layer i's dense Linears tuned on the layer's output: (codes, Params, fallback) each.
+        A Linear whose GPTQ fell back to RTN, or whose groups keep an INT4 source's lattice, stays as solved."""
+        p = self.recipe.gptq
+        tunables = {m: Tunable.start(r[3], r[1].step.float()) for m, r in solved.items()
+                    if r[3] is not None and not r[2] and targets[m].tensor.encoding != "ct-int4"}
+        if tunables:
+            samples = tuning.subset(len(self.positions), p.tune_samples)
+            before, after = tuning.tune_layer(partial(self._tuning_forward, layer, i), samples, tunables,
+                                              p.tune_iters, p.tune_batch, self.compute,
+                                              seed=self.recipe.calibration.seed * 100003 + i)
+            report.tuned = [before, after]
+        out = {}
+        for m, (codes, params, fallback, _) in solved.items():
+            t = tunables.get(m)
+            if t is not None:
+                step = t.steps().to(params.step.dtype)
+                codes, params = t.codes(), codec.Params(step, None, (step,))
+            out[m] = (codes, params, fallback)
+        return out
+
+    def _tuning_forward(self, layer: nn.Module, i: int, s: int, weights: dict[str, torch.Tensor] | None):
+        """Sample s through layer i with `weights` in place of its modules' (None: as it is), outside inference
+        mode: the activations and the mask were made in it, and autograd cannot save such tensors."""
+        h, pos = self.hidden[s].clone(), self.positions[s]
+        mask, rotary = self._inputs(h, pos, self.layer_type(i))
+        clone = lambda t: t.clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
+        mask = {k: clone(v) for k, v in mask.items()} if isinstance(mask, dict) else clone(mask)
+        rotary = tuple(clone(t) for t in rotary) if isinstance(rotary, tuple) else clone(rotary)
+        carry = self.carry[s]
+        kwargs = {"prev_topk_indices": carry if carry is None else carry.to(self.device)} if takes_topk(layer) else {}
+        for prm in layer.parameters():
+            prm.requires_grad_(False)
+        args = dict(attention_mask=mask, position_ids=pos, position_embeddings=rotary, **kwargs)
+        if weights is None:
+            return layer(h, **args)
+        return torch.func.functional_call(layer, weights, (h,), args, strict=False)
+
     def _quantize_stacked(self, names: list[str], weights: list[torch.Tensor], H: torch.Tensor | None,
-                          targets: dict[str, Entry], squares: torch.Tensor | None = None) -> list[tuple]:
+                          targets: dict[str, Entry], squares: torch.Tensor | None = None,
+                          values: bool = False) -> list[tuple]:
         """(codes, codec.Params, fallback) of each Linear fed the same input, solved as one matrix: GPTQ against H,
         or RTN when H is None (its steps chosen by the inputs' sums of x^2 `squares` [in], when given). GPTQ
         treats the rows of W independently given H (the codes are the same bytes as
         one by one), so H is factored once and each column step updates every Linear at once (q/k/v of SmolLM2:
-        130 -> 55 ms). H is consumed: GPTQ frees it as soon as it has its working copy."""
+        130 -> 55 ms). H is consumed: GPTQ frees it as soon as it has its working copy. With `values`, each
+        tuple has a fourth member: GPTQ's values before rounding [out, in] float32 (quant/signround.py)."""
         s, p = self.recipe.scheme, self.recipe.gptq
         ws = [w.to(self.dtype) for w in weights]  # steps from the weight in the model's dtype, as compressed-tensors'
         gscales = self._global_scales([targets[m].tensor.name for m in names], ws)
@@ -836,10 +897,15 @@ class LayerwiseQuantizer:
         if H is None:
             return [(codec.rtn_codes(s, w, q), q, False) for w, q in zip(ws, params, strict=True)]
         zp = None if params[0].zero_point is None else torch.cat([q.zero_point for q in params])
+        kept: list | None = [] if values else None
         codes, fallback = gptq.gptq_quantize(torch.cat(ws), H, torch.cat([q.step for q in params]), zp, consume=True,
                                              num_bits=s.num_bits, blocksize=p.block_size, percdamp=p.dampening_frac,
-                                             actorder=p.actorder == "static", fp4=bool(s.fp4))
-        return [(rows, q, fallback) for rows, q in zip(codes.split([w.shape[0] for w in ws]), params, strict=True)]
+                                             actorder=p.actorder == "static", fp4=bool(s.fp4), values=kept)
+        sizes = [w.shape[0] for w in ws]
+        if kept is None:
+            return [(rows, q, fallback) for rows, q in zip(codes.split(sizes), params, strict=True)]
+        return [(rows, q, fallback, v) for rows, q, v in zip(codes.split(sizes), params, kept[0][0].split(sizes),
+                                                             strict=True)]
 
     def _global_scales(self, names: list[str], ws: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """NVFP4: each weight's global scale, its fused set's (plan.fused: the largest magnitude of any member,

@@ -99,6 +99,8 @@ def gptq_quantize(W: torch.Tensor, H: torch.Tensor, scale: torch.Tensor, zero_po
     Returns (codes, fallback): fallback is True when H was not positive definite even after dampening, or held a
     NaN or an infinity, in which case the codes are plain RTN.
     consume: the caller's last use of H; its storage is released as soon as the working copy exists.
+    values (in `params`): a list that receives GPTQ's values before rounding, [1, out, in] float32: each weight
+    over its step as updated when its column was rounded (quant/signround.py starts from them).
     """
     assert H.shape == (W.shape[1], W.shape[1]), f"H {tuple(H.shape)} for W {tuple(W.shape)}"
     codes, fallback = _quantize(W[None], H[None], scale[None], None if zero_point is None else zero_point[None],
@@ -134,12 +136,12 @@ def gptq_quantize_batched(
 
 def _quantize(W, H, scale, zero_point, release: torch.Tensor | None, num_bits: int = 4, blocksize: int = 128,
               percdamp: float | list[float] = 0.01, actorder: bool = True,
-              fp4: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              fp4: bool = False, values: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The working copy, then `release` (the caller's Hessian tensor, whose storage goes), then the solve."""
     work, perm = _working_copy(H, actorder)
     if release is not None:
         release.set_()
-    return _solve(W, work, perm, scale, zero_point, num_bits, blocksize, percdamp, fp4)
+    return _solve(W, work, perm, scale, zero_point, num_bits, blocksize, percdamp, fp4, values)
 
 
 def _working_copy(H: torch.Tensor, actorder: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -216,7 +218,8 @@ _LANES = 64
 _SUB_BLOCK = 16  # columns per sub-block of a GPTQ block (32 x 1024 x 512 experts: 16 took 0.38 s, 32 0.48, 8 0.46)
 
 
-def _solve(W, H, perm, scale, zero_point, num_bits, blocksize, percdamp, fp4=False) -> tuple[torch.Tensor, torch.Tensor]:
+def _solve(W, H, perm, scale, zero_point, num_bits, blocksize, percdamp, fp4=False,
+           values: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     E, out_features, in_features = W.shape
     group_size = in_features // scale.shape[-1]
     q_min, q_max = (-6.0, 6.0) if fp4 else int_range(num_bits)
@@ -253,6 +256,7 @@ def _solve(W, H, perm, scale, zero_point, num_bits, blocksize, percdamp, fp4=Fal
     del H, d
 
     codes_t = torch.empty(E, in_features, width, dtype=torch.int8, device=W.device)
+    values_t = torch.empty(E, in_features, width, dtype=torch.float32, device=W.device) if values is not None else None
     for i1 in range(0, in_features, blocksize):
         i2 = min(i1 + blocksize, in_features)
         W1 = WT[:, i1:i2].clone()
@@ -271,6 +275,8 @@ def _solve(W, H, perm, scale, zero_point, num_bits, blocksize, percdamp, fp4=Fal
             for i in range(j1, j2):
                 w, s, c, err = W1[:, i], S1[:, i], Q1[:, i], Err1[:, i]
                 torch.div(w, s, out=c)
+                if values_t is not None:
+                    values_t[:, i1 + i] = c
                 if fp4:
                     e2m1.round_e2m1_(c.clamp_(q_min, q_max))
                     torch.addcmul(w, c, s, value=-1, out=err)
@@ -291,4 +297,9 @@ def _solve(W, H, perm, scale, zero_point, num_bits, blocksize, percdamp, fp4=Fal
     codes_t = codes_t[..., :out_features]
     if perm is not None:
         codes_t = codes_t.gather(1, torch.argsort(perm, dim=-1)[:, :, None].expand(-1, -1, out_features))
+    if values_t is not None:
+        values_t = values_t[..., :out_features]
+        if perm is not None:
+            values_t = values_t.gather(1, torch.argsort(perm, dim=-1)[:, :, None].expand(-1, -1, out_features))
+        values.append(values_t.transpose(1, 2).contiguous())
     return codes_t.transpose(1, 2).contiguous(), fallback

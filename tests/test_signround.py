@@ -1,0 +1,147 @@
+"""Sign-gradient rounding seeded from GPTQ (quant/signround.py) and its layer loop (engine/tune.py): it starts at
+GPTQ's codes exactly, moves only what lowers the layer's output error, keeps GPTQ's bytes where it does not, and
+gives the bytes of one rank on two."""
+
+import json
+
+import pytest
+import torch
+from test_gptq import calibration_samples, correlated_inputs
+from test_ranks import convert as convert_cli
+from test_ranks import gptq_args, shard_bytes
+
+from quantize.engine import tune
+from quantize.quant import gptq, signround
+from quantize.quant.signround import Tunable
+
+
+def _solved(out=24, n=64, group=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(out, n, generator=g)
+    X = correlated_inputs(512, n, seed)
+    H = X.t() @ X
+    scale = W.reshape(out, n // group, group).abs().amax(-1) / 7.5
+    values: list = []
+    codes, fallback = gptq.gptq_quantize(W, H.clone(), scale, values=values)
+    return W, X, scale, codes, values[0][0], fallback
+
+
+def test_gptq_values_round_to_its_codes_and_a_fresh_tunable_is_gptq_exactly():
+    """values are GPTQ's w / step at the moment it rounded each column (activation order undone): rounded and
+    clamped they are its codes, so a tunable with offset 0 and factor 1 is GPTQ's weight, byte for byte."""
+    W, _, scale, codes, values, fallback = _solved()
+    assert not fallback
+    assert torch.equal(values.round().clamp(-8, 7).to(torch.int8), codes)
+    t = Tunable.start(values, scale)
+    assert torch.equal(t.codes(), codes) and torch.equal(t.steps(), scale)
+    gptq_weight = (codes.float().reshape(24, -1, 16) * scale[..., None]).reshape(W.shape)
+    assert torch.equal(t.weight(torch.float32), gptq_weight)
+    # the codes do not depend on whether the values are kept
+    again, _ = gptq.gptq_quantize(W, (correlated_inputs(512, 64, 0).t() @ correlated_inputs(512, 64, 0)), scale)
+    assert torch.equal(again, codes)
+
+
+def test_a_signed_step_moves_each_offset_by_the_rate_against_its_gradient_and_stays_in_range():
+    values = torch.tensor([[0.2, -1.4, 3.0, 7.4]])
+    t = Tunable.start(values, torch.ones(1, 1))
+    (t.weight(torch.float32) * torch.tensor([[1.0, -2.0, 0.0, 1.0]])).sum().backward()
+    # straight through the rounding: d weight / d offset is the scale
+    assert torch.equal(t.offset.grad, torch.tensor([[1.0, -2.0, 0.0, 1.0]]))
+    t.step(1.0)
+    assert torch.allclose(t.offset, torch.tensor([[-signround.LR, signround.LR, 0.0, -signround.LR]]))
+    assert t.offset.grad is None and t.factor.grad is None
+    for _ in range(1000):
+        t.weight(torch.float32).sum().backward()
+        t.step(2.0)
+    assert float(t.offset.detach().min()) == -0.5 and float(t.factor.detach().min()) == pytest.approx(-signround.SCALE_RANGE)
+    assert t.codes().tolist() == [[0, -2, 2, 7]]  # 7.4 - 0.5 rounds to 7; never past the range
+    t.reset()
+    assert torch.equal(t.codes(), torch.tensor([[0, -1, 3, 7]], dtype=torch.int8))
+
+
+def _toy(seed=0):
+    """A Linear 'layer' with GPTQ's values spoiled by +0.4 (round to nearest lands a step too high on many): the
+    tuning has something to find."""
+    W, X, scale, codes, values, _ = _solved(seed=seed)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 24, bias=False))
+    layer[0].weight.data = W
+    chunks = list(X.split(64))
+
+    def forward(s, weights):
+        return layer(chunks[s]) if weights is None else torch.func.functional_call(layer, weights, (chunks[s],))
+    return layer, forward, values, scale, len(chunks)
+
+
+def test_tuning_lowers_the_layers_error_and_keeps_its_result():
+    layer, forward, values, scale, n = _toy()
+    tunables = {"0": Tunable.start(values + 0.4, scale)}
+    start = tunables["0"].codes().clone()
+    before, after = tune.tune_layer(forward, list(range(n)), tunables, iters=60, batch=4, dtype=torch.float32, seed=0)
+    assert after < 0.9 * before
+    assert not torch.equal(tunables["0"].codes(), start)
+
+
+def test_tuning_that_does_not_lower_the_error_leaves_gptqs_codes_and_scales(monkeypatch):
+    layer, forward, values, scale, n = _toy()
+    monkeypatch.setattr(signround, "LR", 0.0)
+    monkeypatch.setattr(signround, "SCALE_LR", 0.0)
+    tunables = {"0": Tunable.start(values, scale)}
+    before, after = tune.tune_layer(forward, list(range(n)), tunables, iters=3, batch=2, dtype=torch.float32, seed=0)
+    assert after == before
+    assert float(tunables["0"].offset.abs().max()) == 0 and float(tunables["0"].factor.abs().max()) == 0
+
+
+def test_the_tuning_samples_spread_over_all_of_them():
+    assert tune.subset(128, 32) == list(range(0, 128, 4))
+    assert tune.subset(8, 32) == list(range(8))
+
+
+def _layer_errors(report: dict) -> list:
+    return report["calibration"]["tuned_error"]
+
+
+def test_convert_with_tuning_reports_each_layer_and_keeps_gptqs_bytes_where_nothing_moved(fixtures_dir, tmp_path,
+                                                                                          monkeypatch):
+    """Through the library call: every dense layer is tuned and reports its error before and after; with the
+    steps at zero nothing moves, and the output is GPTQ's, byte for byte (the commits wait for the tuning, the
+    codes and scales come back from the tunables unchanged)."""
+    from quantize.convert import Events, Options, convert
+
+    calib = calibration_samples(tmp_path, 16)
+    opts = dict(scheme="w4a16", group_size=32, method="gptq", calib=str(calib), num_samples=8, seq_len=48,
+                device="cpu")
+    plain = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "plain", Options(**opts), Events())
+    tuned = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "tuned", Options(**opts, tune_iters=4), Events())
+    errors = _layer_errors(tuned.report)
+    assert len(errors) == tuned.report["calibration"]["layers"] and all(e is not None for e in errors)
+    assert any(after < before for before, after in errors), errors
+    assert "tuned_error" not in plain.report["calibration"]
+    assert shard_bytes(tmp_path / "plain") != shard_bytes(tmp_path / "tuned")
+
+    monkeypatch.setattr(signround, "LR", 0.0)
+    monkeypatch.setattr(signround, "SCALE_LR", 0.0)
+    still = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "still", Options(**opts, tune_iters=2), Events())
+    assert all(after == before for before, after in _layer_errors(still.report))
+    assert shard_bytes(tmp_path / "still") == shard_bytes(tmp_path / "plain")
+
+
+def test_tuning_on_two_ranks_gives_the_bytes_of_one(fixtures_dir, tmp_path):
+    """Rank 0 tunes on a fixed subset of all the samples (not its share), with a seeded draw: rank 1 only waits
+    for the tuned weights in the broadcast it already joined."""
+    outs = {}
+    for name, extra in (("one", []), ("two", ["--devices", "cpu,cpu"])):
+        outs[name] = tmp_path / name
+        p, _ = convert_cli(gptq_args(fixtures_dir, tmp_path, "llama-bf16", outs[name], "--scheme", "w4a16",
+                                     "--group-size", "32", "--tune-iters", "3", "--json", *extra), timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert any(a < b for b, a in json.loads(p.stdout)["calibration"]["tuned_error"])
+    assert shard_bytes(outs["one"]) == shard_bytes(outs["two"])
+
+
+def test_a_negative_tune_iters_is_refused_as_a_recipe_would_be(tmp_path):
+    from quantize import recipe
+    from quantize.errors import UsageError
+
+    with pytest.raises(UsageError, match="tune_iters >= 0"):
+        recipe.from_dict({"method": "gptq", "scheme": {"num_bits": 4, "group_size": 32},
+                          "gptq": {"tune_iters": -1}, "calibration": {"data": "x.jsonl"}}, "r.yaml")
