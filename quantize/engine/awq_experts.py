@@ -132,7 +132,9 @@ class AWQExperts(LayerExperts):
         workers = self._workers()
 
         def chunk(c: list[int]) -> list[torch.Tensor]:
-            out = [fn(e, self._in_compute(e)) for e in c]
+            # the sums stay on the host whatever the device (a GPU's values were added to host zeros: the first
+            # CUDA run of AWQ on a MoE raised there)
+            out = [fn(e, self._in_compute(e)).to("cpu") for e in c]
             self._release(len(c) * expert_bytes(*self._shape(c[0]), self.s.dtype))
             return out
         chunks = list(self._chunks([e for e in self.owned if self.targets.get(e)], workers))
@@ -160,7 +162,7 @@ class AWQExperts(LayerExperts):
         def weight_sums(e: int, w: dict) -> torch.Tensor:
             leaves = [w[leaf] for leaf in GATE_UP if leaf in self.targets[e]]
             total, rows = awq.weight_sums(leaves, g)
-            return torch.cat([total if rows else torch.zeros(self.hidden, dtype=torch.float64),
+            return torch.cat([total.to("cpu") if rows else torch.zeros(self.hidden, dtype=torch.float64),
                               torch.tensor([float(rows)], dtype=torch.float64)])
         sums = to_rank0(self._per_group(weight_sums, torch.zeros(self.hidden + 1, dtype=torch.float64)), rank, world)
         means = torch.empty(2, self.hidden, dtype=torch.float32, device=s.device)
