@@ -145,3 +145,17 @@ def test_a_negative_tune_iters_is_refused_as_a_recipe_would_be(tmp_path):
     with pytest.raises(UsageError, match="tune_iters >= 0"):
         recipe.from_dict({"method": "gptq", "scheme": {"num_bits": 4, "group_size": 32},
                           "gptq": {"tune_iters": -1}, "calibration": {"data": "x.jsonl"}}, "r.yaml")
+
+
+def test_the_model_card_says_when_the_layers_were_tuned():
+    import dataclasses
+    from types import SimpleNamespace
+
+    from quantize import recipe, release
+
+    r = recipe.preset("w4a16", 32, "gptq")
+    cards = {n: release.model_card(
+        repo_id="me/x", base_model=None, license=None, plan_summary={}, src_bytes=1, out_bytes=1, capacity=None,
+        setup=SimpleNamespace(tp=1), gate_markdown=None, tp_sizes=[1], remote_code=False, architecture="llama",
+        recipe=dataclasses.replace(r, gptq=dataclasses.replace(r.gptq, tune_iters=n))) for n in (0, 20)}
+    assert "tuned on its output (20 signed steps" in cards[20] and "tuned" not in cards[0]
