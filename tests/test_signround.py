@@ -96,6 +96,9 @@ def test_the_tuning_samples_spread_over_all_of_them():
     assert tune.subset(8, 32) == list(range(8))
 
 
+SMALL_STEPS = (0.005, 0.00025)  # (LR, SCALE_LR)
+
+
 def _layer_errors(report: dict) -> list:
     return report["calibration"]["tuned_error"]
 
@@ -110,6 +113,9 @@ def test_convert_with_tuning_reports_each_layer_and_keeps_gptqs_bytes_where_noth
     calib = calibration_samples(tmp_path, 16)
     opts = dict(scheme="w4a16", group_size=32, method="gptq", calib=str(calib), num_samples=8, seq_len=48,
                 device="cpu")
+    # the tiny fixture's GPTQ error is near bf16's own; smaller steps than the default find a drop in it
+    monkeypatch.setattr(signround, "LR", SMALL_STEPS[0])
+    monkeypatch.setattr(signround, "SCALE_LR", SMALL_STEPS[1])
     plain = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "plain", Options(**opts), Events())
     tuned = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "tuned", Options(**opts, tune_iters=4), Events())
     errors = _layer_errors(tuned.report)
@@ -128,11 +134,18 @@ def test_convert_with_tuning_reports_each_layer_and_keeps_gptqs_bytes_where_noth
 def test_tuning_on_two_ranks_gives_the_bytes_of_one(fixtures_dir, tmp_path):
     """Rank 0 tunes on a fixed subset of all the samples (not its share), with a seeded draw: rank 1 only waits
     for the tuned weights in the broadcast it already joined."""
+    import os
+
+    site = tmp_path / "site"  # every process of the run, spawned ranks too, takes the small steps
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import quantize.quant.signround as s\n"
+                                           f"s.LR, s.SCALE_LR = {SMALL_STEPS}\n")
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     outs = {}
     for name, extra in (("one", []), ("two", ["--devices", "cpu,cpu"])):
         outs[name] = tmp_path / name
         p, _ = convert_cli(gptq_args(fixtures_dir, tmp_path, "llama-bf16", outs[name], "--scheme", "w4a16",
-                                     "--group-size", "32", "--tune-iters", "3", "--json", *extra), timeout=300)
+                                     "--group-size", "32", "--tune-iters", "3", "--json", *extra), env, timeout=300)
         assert p.returncode == 0, p.stderr[-2000:]
         assert any(a < b for b, a in json.loads(p.stdout)["calibration"]["tuned_error"])
     assert shard_bytes(outs["one"]) == shard_bytes(outs["two"])

@@ -805,13 +805,13 @@ class LayerwiseQuantizer:
         for m in sorted(dense_targets):
             by_input[id(by_module[m])].append(m)
         del hessians
-        tuning = self._tunes(i, moe)
+        tune_now = self._tunes(i, moe)
         solved: dict[str, tuple] = {}
         for names in by_input.values():
             H = by_module[names[0]]
-            done = self._quantize_stacked(names, [modules[m].weight.data for m in names], H, targets, values=tuning)
+            done = self._quantize_stacked(names, [modules[m].weight.data for m in names], H, targets, values=tune_now)
             for m, result in zip(names, done, strict=True):
-                if tuning:
+                if tune_now:
                     solved[m] = result  # committed after the tuning, which needs the float layer's outputs
                 else:
                     self._commit(modules[m], targets[m], *result[:3], report, input_amax.get(m))
@@ -819,7 +819,7 @@ class LayerwiseQuantizer:
             release_freed_memory()
         by_module.clear()
         report.phases["dense"] = time.perf_counter() - t1
-        if tuning:
+        if tune_now:
             t2 = time.perf_counter()
             for m, result in self._tune(layer, i, solved, targets, report).items():
                 self._commit(modules[m], targets[m], *result, report, input_amax.get(m))
