@@ -183,9 +183,9 @@ def inspect(src: str, recipe_path: str | None, scheme: str | None, group_size: s
               "(hessian, the default) or from its weights' min/max (minmax: llm-compressor's bytes); GPTQ then runs "
               "unchanged under it [recipe].")
 @click.option("--tune-iters", type=click.IntRange(0),
-              help="gptq: then tune each dense decoder layer's codes and scales on the layer's output by N signed "
-              "gradient steps (SignRound seeded from GPTQ's codes; kept only where the layer's error drops; 0: "
-              "none) [recipe, else 0].")
+              help="gptq: then tune each dense decoder layer's codes and scales by N signed gradient steps towards "
+              "the float model's output (SignRound seeded from GPTQ's codes; kept only where the layer's error "
+              f"drops; 0: none) [recipe, else {recipes.TUNE_ITERS} with hessian scales, 0 with minmax].")
 @click.option("--offload", type=click.Choice(["auto", "gpu", "cpu", "disk"]), default="auto", show_default=True,
               help="Where calibration activations live.")
 @click.option("--trust-remote-code", is_flag=True, help="Let the checkpoint's tokenizer code run (calibration only).")

@@ -335,7 +335,7 @@ def _result(plan, result, r, calibrated, dev: str) -> Result:
             # what chose each group's scale: min/max, the Hessian's diagonal blocks, the inputs' E[x^2] (rtn), AWQ
             "scales": {"gptq": r.gptq.scales, "rtn": "inputs-x2", "awq": "awq"}[r.method],
             **({"gptq": {"scales": r.gptq.scales, "dampening": r.gptq.dampening,
-                         "dampening_frac": r.gptq.dampening_frac, "tune_iters": r.gptq.tune_iters}}
+                         "dampening_frac": r.gptq.dampening_frac, "tune_iters": r.gptq.iters}}
                if r.method == "gptq" else {}),
             "memory": {"device": account.device, "layer": account.layer, "bytes": account.total, "free": account.free,
                        "parts": account.parts, "peak": _device_peak(dev)},

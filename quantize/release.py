@@ -179,8 +179,8 @@ def model_card(*, repo_id: str, base_model: str | None, license: str | None, rec
         lines.append(f"| GPTQ | scales {scale_rule}; dampening {g.dampening_frac} of the mean diagonal"
                      + (", more for experts routed fewer tokens than their width" if g.dampening == "tokens" else "")
                      + f"; blocks of {g.block_size}; activation order {g.actorder or 'none'}"
-                     + (f"; then each dense layer tuned on its output ({g.tune_iters} signed steps, kept where its "
-                        "error dropped)" if g.tune_iters else "") + " |")
+                     + (f"; then each dense layer tuned towards the float model's output ({g.iters} signed steps, "
+                        "kept where its error dropped)" if g.iters else "") + " |")
     if recipe.kv_cache:
         lines.append("| KV cache | FP8 e4m3 scales per layer (`k_scale` / `v_scale`) |")
     counts = plan_summary.get("quantized_modules_by_kind", {})

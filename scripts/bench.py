@@ -452,7 +452,8 @@ def calibration_text(work: Path, tokens: int = 0) -> Path:
 
 
 def rule_flags(rule: str | None) -> list[str]:
-    """A scale rule of --scales as convert's flags: hessian, minmax, or either with tuning (hessian+tune20)."""
+    """A scale rule of --scales as convert's flags: hessian, minmax, or either with its tuning steps (hessian+tune0:
+    GPTQ alone; hessian is tuned by default)."""
     if not rule:
         return []
     scales, _, iters = rule.partition("+tune")
@@ -1134,7 +1135,7 @@ def main() -> None:
                            "(its default and its light preset; W4A16)")
             q.add_argument("--scales", default="minmax", help="our GPTQ's scale rules to run, e.g. minmax,hessian "
                            "(each on every draw; the first is the one compared byte for byte); +tuneN adds --tune-iters N, e.g. "
-                           "hessian+tune20")
+                           "hessian+tune0 (GPTQ alone: hessian is tuned by default, minmax is not)")
             q.add_argument("--rtn-samples", type=int, default=0, help="also our calibrated RTN (--method rtn --calib) "
                            "on every draw, with this many samples (0: not run)")
         q.add_argument("--seeds", default="0", help="calibration draws, e.g. 0,1,2,3: both tools quantize each "

@@ -21,7 +21,7 @@ HOST = 1536 * 2**30  # a GPU box's free host memory
 TOKENS, SEQ = 512 * 2048, 2048
 
 
-def layers(config: str, recipe_name: str) -> tuple[list[memory.Layer], int]:
+def layers(config: str, recipe_name: str, tune=(0, 0)) -> tuple[list[memory.Layer], int]:
     """The decoder layers of the config under the recipe (targets as tensor_plan.build picks them), GPTQ, bf16."""
     model, layout = from_config(json.loads((DATA / config).read_text()))
     r = recipe.load(RECIPES / f"{recipe_name}.yaml")
@@ -40,7 +40,7 @@ def layers(config: str, recipe_name: str) -> tuple[list[memory.Layer], int]:
     tc = model.text_config
     dsa = model.arch.family == "glm_moe_dsa"
     return memory.layers_of(entries, 2, stack_of, True, carry=8 * (tc.get("index_topk") or 0) * dsa,
-                            index_heads=(tc.get("index_n_heads") or 0) * dsa), model.hidden_size
+                            index_heads=(tc.get("index_n_heads") or 0) * dsa, tune=tune), model.hidden_size
 
 
 def reading(config, recipe_name, free, rank=0, host_free=HOST, host="node-a", comm=0) -> agreement.Reading:
@@ -127,3 +127,22 @@ def test_nccl_communicators_are_counted_in_the_account():
     counted = reading(*KIMI, H200, comm=memory.nccl_bytes(8, 0)).accounts["gpu"]
     assert counted.parts["NCCL communicators"] == memory.nccl_bytes(8, 0) > 0
     assert counted.total == plain.total + memory.nccl_bytes(8, 0)
+
+
+def test_the_tuning_after_gptq_is_counted_for_kimis_dense_layer_and_fits_an_h200():
+    """engine/tune.py tunes the dense layers (Kimi K2 has one: hidden 7168, MLP 18432, MLA) on rank 0 when they are
+    quantized (every Linear INT4; Moonshot's recipe keeps them BF16): float32 values, offsets and their gradients
+    for each weight, and a step's forward kept for its backward. The MoE layers are not tuned and count nothing
+    for it."""
+    ls, hidden = layers("kimi-k2-instruct-config.json", "dense-w4a16", tune=(4, 32))
+    dense = [x for x in ls if not x.moe]
+    assert [x.index for x in dense] == [0] and all(x.tune == (0, 0) for x in ls if x.moe)
+    parts = memory.layer_parts(dense[0], TOKENS, SEQ, hidden, 2, False, 0)
+    weights = dense[0].weights // 2
+    assert weights > 450e6  # its MLA attention and its dense MLP
+    assert parts["tuning"] > weights * memory.TUNE_BYTES_PER_WEIGHT
+    assert 12 * memory.GIB < parts["tuning"] < 20 * memory.GIB
+    a = memory.account(ls, TOKENS, SEQ, hidden, 2, "cpu", "cuda:0", H200, memory.GIB // 4)
+    assert memory.fits(a) and a.total < H200 // 2  # the expert stacks of a MoE layer still weigh more
+    untuned, _ = layers("kimi-k2-instruct-config.json", "dense-w4a16")
+    assert "tuning" not in memory.layer_parts(untuned[0], TOKENS, SEQ, hidden, 2, False, 0)

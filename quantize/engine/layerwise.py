@@ -66,8 +66,18 @@ def _layers(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[memory
 
     tc = plan.model.text_config
     dsa, carry = plan.model.arch.dsa, plan.model.arch.carries_topk  # score top-k per head; GLM-5 carries it (int64)
+    g = plan.recipe.gptq
+    tune = (g.tune_batch, g.tune_samples) if plan.recipe.method == "gptq" and tunes(plan.recipe) else (0, 0)
     return memory.layers_of(plan.entries, dtype.itemsize, stack_of, gptq_, carry=8 * (tc.get("index_topk") or 0) * carry,
-                            index_heads=(tc.get("index_n_heads") or 0) * dsa)
+                            index_heads=(tc.get("index_n_heads") or 0) * dsa, tune=tune)
+
+
+def tunes(recipe) -> bool:
+    """Whether GPTQ's dense layers are then tuned (engine/tune.py): steps asked for, and symmetric INT4 (FP4's
+    e2m1 is no uniform grid to move a rounding offset on, and an asymmetric zero point is not tuned)."""
+    s = recipe.scheme
+    return recipe.gptq.iters > 0 and not s.fp4 and s.symmetric and s.num_bits == 4
+
 
 
 def results_bytes(plan: Plan, rank: int = 0, world: int = 1) -> int:
@@ -216,6 +226,9 @@ class LayerwiseQuantizer:
         # one sample at a time: batching equal-length samples measured no faster on CPU and held more memory
         self.positions = [torch.arange(s.shape[1], device=device).unsqueeze(0) for s in samples]
         self.carry: list = [None] * len(samples)  # GLM-5's DSA layers pass their top-k indices on
+        # the float model's hidden states of the tuned samples entering the next layer (engine/tune.py); empty
+        # where they are the quantized path's own: at the start, and after a layer that was not tuned
+        self.float_path: dict[int, torch.Tensor] = {}
         self._shared: tuple = (None, None)  # (length, layer type), (mask, rotary embeddings)
         self.rotary = type(self.skeleton.model.rotary_emb)(config=self.config).to(self.device)
         self._rotary_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
@@ -273,6 +286,8 @@ class LayerwiseQuantizer:
             kind, s = name.split(".")
             if kind == "hidden":
                 self.hidden.append(t.to(self.device))
+            elif kind == "float":
+                self.float_path[int(s)] = self._kept(t)
             else:
                 self.carry[int(s)] = t.to(self.device)
         if len(self.hidden) != len(self.positions):
@@ -381,6 +396,7 @@ class LayerwiseQuantizer:
             self._wait_for_checkpoint()
             activations = {f"hidden.{s}": self.hidden.host(s) for s in range(len(self.hidden))}
             activations |= {f"carry.{s}": c for s, c in enumerate(self.carry) if c is not None}
+            activations |= {f"float.{s}": t for s, t in self.float_path.items()}  # replaced, never written into
             # written while the next layer's calibration pass runs, which reads the activations but changes
             # nothing; its pass through the quantized layer waits for it (_wait_for_checkpoint)
             self._saving = (nxt, self._saver.submit(self.checkpoint.save, nxt, activations), self.stats.to_dict())
@@ -522,6 +538,8 @@ class LayerwiseQuantizer:
             self._rtn_layer(layer, i, targets, report)
         else:
             self._solve_layer(layer, i, targets, report)
+        if report.tuned is None:
+            self.float_path = {}  # the float path goes on from the quantized one (a MoE layer is not tuned)
         release_freed_memory()
         self.skeleton.model.layers[i] = nn.Module()  # drop the layer's weights
         report.seconds = time.perf_counter() - t0
@@ -829,23 +847,28 @@ class LayerwiseQuantizer:
     def _tunes(self, i: int, moe) -> bool:
         """Whether layer i's dense Linears are tuned after GPTQ (engine/tune.py): asked for, on rank 0, a symmetric
         INT4 scheme, and a layer without routed experts (its output would need them, streamed apart)."""
-        s = self.recipe.scheme
-        return (self.recipe.gptq.tune_iters > 0 and self.rank == 0 and moe is None and not s.fp4
-                and s.symmetric and s.num_bits == 4)
+        return tunes(self.recipe) and self.rank == 0 and moe is None
 
     def _tune(self, layer: nn.Module, i: int, solved: dict[str, tuple], targets: dict[str, Entry],
               report: LayerReport) -> dict[str, tuple]:
         """GPTQ's results of layer i's dense Linears tuned on the layer's output: (codes, Params, fallback) each.
-        A Linear whose GPTQ fell back to RTN, or whose groups keep an INT4 source's lattice, stays as solved."""
+        A Linear whose GPTQ fell back to RTN, or whose groups keep an INT4 source's lattice, stays as solved.
+        The float path of the tuned samples moves on through the float layer (its outputs are the targets)."""
         p = self.recipe.gptq
         tunables = {m: Tunable.start(r[3], r[1].step.float()) for m, r in solved.items()
                     if r[3] is not None and not r[2] and targets[m].tensor.encoding != "ct-int4"}
         if tunables:
             samples = tuning.subset(len(self.positions), p.tune_samples)
-            before, after = tuning.tune_layer(partial(self._tuning_forward, layer, i), samples, tunables,
-                                              p.tune_iters, p.tune_batch, self.compute,
+            float_out: dict[int, torch.Tensor] = {}
+            with torch.no_grad():  # not inference mode: the targets are saved for the loss's backward
+                for k in range(0, len(samples), p.tune_batch):
+                    chunk = samples[k:k + p.tune_batch]
+                    float_out |= dict(zip(chunk, self._tuning_forward(layer, i, chunk, None), strict=True))
+            before, after = tuning.tune_layer(partial(self._tuning_forward, layer, i), float_out, tunables,
+                                              p.iters, p.tune_batch, self.compute,
                                               seed=self.recipe.calibration.seed * 100003 + i)
             report.tuned = [before, after]
+            self.float_path = {s: self._kept(y) for s, y in float_out.items()}
         out = {}
         for m, (codes, params, fallback, _) in solved.items():
             t = tunables.get(m)
@@ -855,22 +878,41 @@ class LayerwiseQuantizer:
             out[m] = (codes, params, fallback)
         return out
 
-    def _tuning_forward(self, layer: nn.Module, i: int, s: int, weights: dict[str, torch.Tensor] | None):
-        """Sample s through layer i with `weights` in place of its modules' (None: as it is), outside inference
-        mode: the activations and the mask were made in it, and autograd cannot save such tensors."""
-        h, pos = self.hidden[s].clone(), self.positions[s]
-        mask, rotary = self._inputs(h, pos, self.layer_type(i))
+    def _kept(self, t: torch.Tensor) -> torch.Tensor:
+        """A float path's hidden state where the activations are kept (host memory unless they stay on the GPU)."""
+        return t.detach() if self.stats.offload == "gpu" else t.detach().to("cpu")
+
+    def _tuning_forward(self, layer: nn.Module, i: int, samples: list[int],
+                        weights: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
+        """`samples` through layer i, as one batch where they have one length: with `weights` in place of its
+        modules' on the quantized path's inputs; with None, the float layer on the float path's inputs. Outside
+        inference mode: autograd cannot save the activations and the mask made in it, so they are copied."""
+        if weights is None:
+            hs = [self.float_path[s].to(self.device) if s in self.float_path else self.hidden[s] for s in samples]
+        else:
+            hs = [self.hidden[s] for s in samples]
+        topk = takes_topk(layer)  # GLM-5's carried top-k indices are a sample's own: one at a time
+        batched = not topk and len({h.shape[1] for h in hs}) == 1
+        groups = [list(range(len(samples)))] if batched else [[k] for k in range(len(samples))]
         clone = lambda t: t.clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
-        mask = {k: clone(v) for k, v in mask.items()} if isinstance(mask, dict) else clone(mask)
-        rotary = tuple(clone(t) for t in rotary) if isinstance(rotary, tuple) else clone(rotary)
-        carry = self.carry[s]
-        kwargs = {"prev_topk_indices": carry if carry is None else carry.to(self.device)} if takes_topk(layer) else {}
         for prm in layer.parameters():
             prm.requires_grad_(False)
-        args = dict(attention_mask=mask, position_ids=pos, position_embeddings=rotary, **kwargs)
-        if weights is None:
-            return layer(h, **args)
-        return torch.func.functional_call(layer, weights, (h,), args, strict=False)
+        out: list = [None] * len(samples)
+        for g in groups:
+            h, pos = torch.cat([hs[k] for k in g]), self.positions[samples[g[0]]]
+            # a mask and rotary table of one sample broadcast over the batch (and stay cached for _run's)
+            mask, rotary = self._inputs(h[:1], pos, self.layer_type(i))
+            mask = {k: clone(v) for k, v in mask.items()} if isinstance(mask, dict) else clone(mask)
+            rotary = tuple(clone(t) for t in rotary) if isinstance(rotary, tuple) else clone(rotary)
+            carry = self.carry[samples[g[0]]]
+            kwargs = {"prev_topk_indices": carry if carry is None else carry.to(self.device)} if topk else {}
+            args = dict(attention_mask=mask, position_ids=pos, position_embeddings=rotary, **kwargs)
+            y = layer(h.clone(), **args) if weights is None else \
+                torch.func.functional_call(layer, weights, (h.clone(),), args, strict=False)
+            y = y[0] if isinstance(y, tuple) else y
+            for j, k in enumerate(g):
+                out[k] = y[j:j + 1]
+        return out
 
     def _quantize_stacked(self, names: list[str], weights: list[torch.Tensor], H: torch.Tensor | None,
                           targets: dict[str, Entry], squares: torch.Tensor | None = None,

@@ -45,6 +45,13 @@ class Layer:
     moe: bool  # routed experts run outside the layer: their inputs are recorded, their outputs summed
     carry: int  # bytes per token a DSA layer passes to the next (its top-k indices)
     index_heads: int = 0  # a DSA layer's indexer heads: one sample's [heads, seq, seq] float32 scores
+    tune: tuple[int, int] = (0, 0)  # (batch, samples) of the tuning after GPTQ (engine/tune.py); (0, 0): none
+
+
+# The tuning's bytes per weight of a tuned layer: GPTQ's values before rounding, the offset and its gradient (float32
+# each), the rounded values autograd keeps for the scale's gradient and the clamp's (float32), the weight rebuilt
+# in the compute dtype (2 more)
+TUNE_BYTES_PER_WEIGHT = 22
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,11 @@ def layer_parts(layer: Layer, tokens: int, seq_len: int, hidden: int, itemsize: 
     parts = {"layer weights": layer.weights, "expert stack": layer.stack,
              "dense Hessians": hessians + 2 * 4 * largest * largest, "one sample's forward": forward,
              "staging": stage_bytes, "NCCL communicators": comm_bytes}
+    batch, samples = layer.tune
+    if batch:  # one step's forward kept for its backward, and the float path's targets of the tuned samples
+        widest = max(layer.hessians, default=hidden)
+        parts["tuning"] = (layer.weights // itemsize * TUNE_BYTES_PER_WEIGHT
+                           + batch * seq_len * (12 * hidden + 6 * widest) * itemsize + 2 * samples * seq_len * hidden * itemsize)
     if resident:
         act = tokens * hidden * itemsize
         parts |= {"hidden states": act, "MoE inputs (2 passes)": 2 * act if layer.moe else 0,
@@ -126,7 +138,8 @@ def hessian_widths(targets: list[tuple[str, tuple[int, ...]]]) -> tuple[int, ...
     return tuple(sorted({(name.rsplit(".", 2)[0], shape[1]): shape[1] for name, shape in targets}.values()))
 
 
-def layers_of(entries, itemsize: int, stack_of, gptq: bool, carry: int = 0, index_heads: int = 0) -> list[Layer]:
+def layers_of(entries, itemsize: int, stack_of, gptq: bool, carry: int = 0, index_heads: int = 0,
+              tune: tuple[int, int] = (0, 0)) -> list[Layer]:
     """The decoder layers of a plan's entries (anything with tensor.name, tensor.shape, role and action). Under
     GPTQ a layer whose routed experts are targets streams them (`stack_of(inter, hidden)`: the bytes of its
     stacks); otherwise they are built into the layer with its other weights."""
@@ -143,5 +156,5 @@ def layers_of(entries, itemsize: int, stack_of, gptq: bool, carry: int = 0, inde
         dense = [(e.tensor.name, tuple(e.tensor.shape)) for e in es
                  if gptq and e.action == "quantize" and e.role.kind != "expert" and len(e.tensor.shape) == 2]
         out.append(Layer(i, weights, hessian_widths(dense), stack_of(*gate.tensor.shape) if streamed else 0, streamed,
-                         carry, index_heads))
+                         carry, index_heads, tune if dense and gate is None else (0, 0)))
     return out

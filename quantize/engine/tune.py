@@ -2,9 +2,12 @@
 
 GPTQ has chosen every code against its Linear's own inputs; the tuning moves the codes near a rounding boundary
 and the groups' scales so that the whole layer's output, through attention and the MLP's gate, comes closer to the
-float layer's output on the same inputs. The float outputs are computed here, from the layer before any of its
-quantized weights is committed. The samples tuned on are a fixed subset of all the samples (never of one rank's
-share), and the batches are drawn from them by a seeded generator: the same bytes on any number of ranks.
+float model's. The target is the float model's own path (SignRound's): the float layer's output on the float
+layers' inputs, while the quantized layer runs on the quantized layers' inputs. So each layer may also take back
+some of the error its inputs carry from the layers before it. The engine keeps that float path for the tuned
+samples (engine/layerwise.py) and hands the targets in. The samples tuned on are a fixed subset of all the
+samples (never of one rank's share), and the batches are drawn from them by a seeded generator: the same bytes on
+any number of ranks.
 
 The result is kept only if it lowers the layer's output error over the whole subset: a layer the tuning does
 not help keeps GPTQ's codes and scales exactly.
@@ -17,6 +20,10 @@ import torch
 from quantize.quant import signround
 from quantize.quant.signround import Tunable
 
+# forward(samples, weights): the layer's output for each of `samples` (a list of [1, tokens, hidden]), its modules'
+# weights replaced by `weights` (module name -> weight); run with gradients when `weights` needs them
+Forward = Callable[[list[int], dict[str, torch.Tensor]], list[torch.Tensor]]
+
 
 def subset(n_samples: int, count: int) -> list[int]:
     """`count` sample indices spread evenly over n_samples (all of them when there are no more)."""
@@ -25,33 +32,32 @@ def subset(n_samples: int, count: int) -> list[int]:
     return [k * n_samples // count for k in range(count)]
 
 
-def tune_layer(forward: Callable[[int, dict[str, torch.Tensor] | None], torch.Tensor], samples: list[int],
-               tunables: dict[str, Tunable], iters: int, batch: int, dtype: torch.dtype,
-               seed: int) -> tuple[float, float]:
-    """Tune `tunables` (by their module names in the layer) on the layer's output over `samples`.
+def tune_layer(forward: Forward, targets: dict[int, torch.Tensor], tunables: dict[str, Tunable], iters: int,
+               batch: int, dtype: torch.dtype, seed: int) -> tuple[float, float]:
+    """Tune `tunables` (by their module names in the layer) towards `targets` (sample -> the float path's output).
 
-    forward(s, weights): the layer's output for sample s, its modules' weights replaced by `weights` (module
-    name -> weight; None: the layer as it is, its float weights); run with gradients enabled when `weights`
-    needs them. Returns the mean squared output error over the samples before and after; when after is not
-    lower, every tunable is reset to GPTQ's codes and scales."""
-    with torch.no_grad():
-        targets = {s: _output(forward(s, None)) for s in samples}
+    Each step takes `batch` samples through one forward. Returns the mean squared output error over all the
+    samples before and after; when after is not lower, every tunable is reset to GPTQ's codes and scales."""
+    samples = list(targets)
 
     def weights() -> dict[str, torch.Tensor]:
         return {f"{m}.weight": t.weight(dtype) for m, t in tunables.items()}
 
+    def loss(chunk: list[int], w: dict[str, torch.Tensor]) -> torch.Tensor:
+        ys = forward(chunk, w)
+        return sum(_mse(y, targets[s]) for s, y in zip(chunk, ys, strict=True)) / len(chunk)
+
     def error() -> float:
         with torch.no_grad():
-            return sum(float(_loss(forward(s, weights()), targets[s])) for s in samples) / len(samples)
+            w = weights()
+            return sum(float(loss(c, w)) * len(c) for c in _chunks(samples, batch)) / len(samples)
 
     before = error()
     gen = torch.Generator().manual_seed(seed)
     for it in range(iters):
         order = torch.randperm(len(samples), generator=gen)[:batch].tolist()
         with torch.enable_grad():
-            for k in order:
-                s = samples[k]
-                (_loss(forward(s, weights()), targets[s]) / len(order)).backward()
+            loss([samples[k] for k in order], weights()).backward()
         lr = signround.schedule(it, iters)
         for t in tunables.values():
             t.step(lr)
@@ -62,9 +68,9 @@ def tune_layer(forward: Callable[[int, dict[str, torch.Tensor] | None], torch.Te
     return before, after
 
 
-def _output(y) -> torch.Tensor:
-    return y[0] if isinstance(y, tuple) else y
+def _chunks(xs: list[int], n: int) -> list[list[int]]:
+    return [xs[k:k + n] for k in range(0, len(xs), n)]
 
 
-def _loss(y, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(_output(y).float(), target.float())
+def _mse(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(y.float(), target.float())
