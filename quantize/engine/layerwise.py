@@ -891,7 +891,9 @@ class LayerwiseQuantizer:
             hs = [self.float_path[s].to(self.device) if s in self.float_path else self.hidden[s] for s in samples]
         else:
             hs = [self.hidden[s] for s in samples]
-        topk = takes_topk(layer)  # GLM-5's carried top-k indices are a sample's own: one at a time
+        # GLM-5's carried top-k indices are a sample's own: one at a time (the float path takes the quantized
+        # path's indices; it has no indexer of its own)
+        topk = takes_topk(layer)
         batched = not topk and len({h.shape[1] for h in hs}) == 1
         groups = [list(range(len(samples)))] if batched else [[k] for k in range(len(samples))]
         clone = lambda t: t.clone() if isinstance(t, torch.Tensor) else t  # noqa: E731
