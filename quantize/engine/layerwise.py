@@ -79,7 +79,6 @@ def tunes(recipe) -> bool:
     return recipe.gptq.iters > 0 and not s.fp4 and s.symmetric and s.num_bits == 4
 
 
-
 def results_bytes(plan: Plan, rank: int = 0, world: int = 1) -> int:
     """The results a rank's writers may hold at once: those of two layers (the loop runs one layer ahead of the
     writers), the largest two of the tensors that rank writes (its streams: tensor_plan.calibrated_keys)."""
@@ -861,8 +860,7 @@ class LayerwiseQuantizer:
             samples = tuning.subset(len(self.positions), p.tune_samples)
             float_out: dict[int, torch.Tensor] = {}
             with torch.no_grad():  # not inference mode: the targets are saved for the loss's backward
-                for k in range(0, len(samples), p.tune_batch):
-                    chunk = samples[k:k + p.tune_batch]
+                for chunk in tuning.chunks(samples, p.tune_batch):
                     float_out |= dict(zip(chunk, self._tuning_forward(layer, i, chunk, None), strict=True))
             before, after = tuning.tune_layer(partial(self._tuning_forward, layer, i), float_out, tunables,
                                               p.iters, p.tune_batch, self.compute,

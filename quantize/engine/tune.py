@@ -50,7 +50,7 @@ def tune_layer(forward: Forward, targets: dict[int, torch.Tensor], tunables: dic
     def error() -> float:
         with torch.no_grad():
             w = weights()
-            return sum(float(loss(c, w)) * len(c) for c in _chunks(samples, batch)) / len(samples)
+            return sum(float(loss(c, w)) * len(c) for c in chunks(samples, batch)) / len(samples)
 
     before = error()
     gen = torch.Generator().manual_seed(seed)
@@ -68,7 +68,8 @@ def tune_layer(forward: Forward, targets: dict[int, torch.Tensor], tunables: dic
     return before, after
 
 
-def _chunks(xs: list[int], n: int) -> list[list[int]]:
+def chunks(xs: list[int], n: int) -> list[list[int]]:
+    """xs in consecutive runs of n (the last may be shorter)."""
     return [xs[k:k + n] for k in range(0, len(xs), n)]
 
 
