@@ -376,24 +376,31 @@ from auto_round import AutoRound
 src, out, samples_file, group, iters, dtype = sys.argv[1:3] + [sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]]
 ids = [torch.tensor([x]) for x in json.load(open(samples_file))]
 assert auto_round.__version__ == sys.argv[7], auto_round.__version__
+data_type = sys.argv[8]  # int; nv_fp, mx_fp: its NVFP4 and MXFP4 weights, with 16-bit activations (A16)
 model = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, dtype))
 tok = AutoTokenizer.from_pretrained(src)
-ar = AutoRound(model, tok, bits=4, group_size=group, sym=True, dataset=ids, nsamples=len(ids), seqlen=ids[0].shape[1],
-               iters=iters)
+ar = AutoRound(model, tok, bits=4, group_size=group, sym=True, data_type=data_type, act_bits=16, dataset=ids,
+               nsamples=len(ids), seqlen=ids[0].shape[1], iters=iters)
 ar.quantize_and_save(out, format="fake")
 """
 
 
-def autoround(work: Path, src: Path, out: Path, samples: Path, group_size: int, iters: int) -> list[str]:
+# auto-round's weight data type and group size of each of our schemes (its NVFP4 / MXFP4 presets' weights)
+AUTOROUND_SCHEMES = {"w4a16": ("int", None), "nvfp4a16": ("nv_fp", 16), "mxfp4a16": ("mx_fp", 32)}
+
+
+def autoround(work: Path, src: Path, out: Path, samples: Path, group_size: int, iters: int,
+              scheme: str = "w4a16") -> list[str]:
     """The command of auto-round (AUTOROUND) in its own process. auto-round is a bench dependency, never a runtime
     one: installed here without its dependencies (llm-compressor's environment has them all; its own pin of
     auto-round is older) into a folder put first on the path of that process alone."""
+    data_type, group_size = AUTOROUND_SCHEMES[scheme][0], AUTOROUND_SCHEMES[scheme][1] or group_size
     site = work.parent / f"auto-round-{AUTOROUND_VERSION}"
     if not (site / "auto_round").is_dir():
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site),
                         f"auto-round=={AUTOROUND_VERSION}"], check=True)
     return ["env", f"PYTHONPATH={site}", sys.executable, "-c", AUTOROUND, str(src), str(out), str(samples),
-            str(group_size), str(iters), str(forward_dtype()).removeprefix("torch."), AUTOROUND_VERSION]
+            str(group_size), str(iters), str(forward_dtype()).removeprefix("torch."), AUTOROUND_VERSION, data_type]
 
 
 def saved_model(out: Path) -> Path:
@@ -490,7 +497,7 @@ def bench_calibrated(args) -> dict:
     tag = lambda seed: "" if seed == 0 else f"-seed{seed}"  # noqa: E731 - seed 0 keeps the folder names it had
     outs = {"rtn": work / f"smol-{args.scheme}-rtn"} | ({"llmc-rtn": work / f"smol-{args.scheme}-llmc-rtn"} if fp4 else {})
     rules = args.scales.split(",") if m == "gptq" else [None]
-    ar_iters = [int(x) for x in args.autoround.split(",") if x] if m == "gptq" and not fp4 else []
+    ar_iters = [int(x) for x in args.autoround.split(",") if x] if m == "gptq" else []
     ar_runs: dict[int, list] = {iters: [] for iters in ar_iters}
     name = lambda rule, seed: f"{m}{'' if rule in (None, rules[0]) else '-' + rule}{tag(seed)}"  # noqa: E731
     cal_rtn = m == "gptq" and args.rtn_samples > 0  # calibrated RTN on every draw too, against GPTQ's gap
@@ -531,7 +538,8 @@ def bench_calibrated(args) -> dict:
             for iters in ar_iters:
                 fresh(outs[f"autoround{iters}{tag(seed)}"])
                 ar_runs[iters].append(measure(autoround(work, src, outs[f"autoround{iters}{tag(seed)}"],
-                                                        work / f"samples-{seed}.json", args.group_size, iters)))
+                                                        work / f"samples-{seed}.json", args.group_size, iters,
+                                                        args.scheme)))
     ours, ref = best_of(runs[rules[0]]), best_of(ref_runs)
     text = PPL_TEXT.read_text()
     ppl = {"bf16": perplexity(src, text)} | {n: perplexity(saved_model(d), text) for n, d in outs.items()}
@@ -560,9 +568,11 @@ def bench_calibrated(args) -> dict:
                         "stderr": spread(diff) / math.sqrt(len(diff)),
                         "seconds_ratio": best_of(runs[rule])["seconds"] / best_of(ar_runs[iters])["seconds"]}
         by_rule[f"autoround-iters{iters}"] = {
-            "version": AUTOROUND_VERSION, "settings": {"bits": 4, "group_size": args.group_size, "sym": True,
-                                                       "iters": iters, "nsamples": args.num_samples,
-                                                       "seqlen": args.seq_len, "format": "fake"},
+            "version": AUTOROUND_VERSION, "settings": {"bits": 4, "sym": True, "act_bits": 16, "iters": iters,
+                                                       "data_type": AUTOROUND_SCHEMES[args.scheme][0],
+                                                       "group_size": AUTOROUND_SCHEMES[args.scheme][1] or args.group_size,
+                                                       "nsamples": args.num_samples, "seqlen": args.seq_len,
+                                                       "format": "fake"},
             "perplexity": mine, "mean": statistics.mean(mine), "gap_closed_per_draw": closed,
             "gap_closed_mean": statistics.mean(closed), "gap_closed_stderr": spread(closed) / math.sqrt(len(closed)),
             "seconds_best": best_of(ar_runs[iters])["seconds"], "seconds": [r["seconds"] for r in ar_runs[iters]],
@@ -1132,7 +1142,7 @@ def main() -> None:
                        "weights off the GGUF's 4-bit lattice); 0: the plain build")
         if method == "gptq":
             q.add_argument("--autoround", default="", help="also auto-round at these iters on every draw, e.g. 200,50 "
-                           "(its default and its light preset; W4A16)")
+                           "(its default and its light preset; under nvfp4a16 / mxfp4a16 its nv_fp / mx_fp weights, A16)")
             q.add_argument("--scales", default="minmax", help="our GPTQ's scale rules to run, e.g. minmax,hessian "
                            "(each on every draw; the first is the one compared byte for byte); +tuneN adds --tune-iters N, e.g. "
                            "hessian+tune0 (GPTQ alone: hessian is tuned by default, minmax is not)")

@@ -59,6 +59,98 @@ def test_a_signed_step_moves_each_offset_by_the_rate_against_its_gradient_and_st
     assert torch.equal(t.codes(), torch.tensor([[0, -1, 3, 7]], dtype=torch.int8))
 
 
+def _fp4_solved(name: str, seed=0):
+    """GPTQ of a random bf16 weight under FP4 scheme `name` (Hessian-searched steps, as the engine's default):
+    (scheme, W, X, Params, codes, values)."""
+    from quantize import recipe
+    from quantize.quant import codec, fp4, scales
+
+    s = recipe.preset(name, 32, "gptq").scheme
+    W = torch.randn(24, 64, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    X = correlated_inputs(512, 64, seed)
+    H = X.t() @ X
+    gs = fp4.global_scale(fp4.absmax(W)) if s.fp4 == "nvfp4" else None
+    blocks = scales.diagonal_blocks(gptq.mirror_upper(H.clone())[None], s.group_size)
+    p = codec.searched(s, [W], [gs], blocks, [None])[0]
+    values: list = []
+    codes, fallback = gptq.gptq_quantize(W.float(), H, p.step, None, fp4=True, values=values)
+    assert not fallback
+    return s, W, X, p, codes, values[0][0]
+
+
+@pytest.mark.parametrize("name", ["nvfp4a16", "mxfp4a16"])
+def test_a_fresh_fp4_tunable_is_gptqs_bytes_exactly(name):
+    """On e2m1 too, offset 0 and factor 1 give GPTQ's codes, steps and stored scale tensors, byte for byte, and
+    the differentiable weight is the one the codes dequantize to."""
+    from quantize.quant import codec
+
+    s, _, _, p, codes, values = _fp4_solved(name)
+    t = Tunable.of(s, values, p)
+    assert torch.equal(t.codes(), codes) and torch.equal(t.steps(), p.step.float())
+    q = t.params(p)
+    assert torch.equal(q.step, p.step) and len(q.stored) == len(p.stored)
+    for a, b in zip(q.stored, p.stored, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                                                  b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    assert torch.equal(t.weight(torch.float32), codec.dequantize(s, codes, p).float())
+
+
+def test_an_fp4_offset_counts_in_the_grids_spacing():
+    """e2m1's spacing is 0.5 below 2, 1 below 4 and 2 up to 6: an offset of +-0.5 moves a value by a quarter,
+    a half or one unit, so each reaches its neighbours' rounding boundaries wherever it lies."""
+    from quantize.quant import fp4
+
+    t = Tunable.start(torch.tensor([[0.3, 2.6, 4.6, -4.6]]), torch.ones(1, 1), grid="mxfp4")
+    value = lambda: fp4.VALUES[t.codes().long()][0].tolist()  # noqa: E731
+    assert value() == [0.5, 3.0, 4.0, -4.0]
+    with torch.no_grad():
+        t.offset.fill_(0.5)
+    assert value() == [0.5, 3.0, 6.0, -4.0]  # 0.55, 3.1, 5.6, -3.6
+    with torch.no_grad():
+        t.offset.fill_(-0.5)
+    assert value() == [0.0, 2.0, 4.0, -6.0]  # 0.05, 2.1, 3.6, -5.6
+    assert not t.factor.requires_grad  # MXFP4's powers of two are not tuned
+
+
+def test_a_tuned_nvfp4_scale_is_an_e4m3_value_in_every_forward():
+    """What is tuned is what is stored: the scale factor's result is rounded to e4m3 in the forward (its gradient
+    straight through), and the stored scale, the step and the weight all agree after the steps."""
+    from quantize.quant import codec
+
+    s, _, _, p, _, values = _fp4_solved("nvfp4a16")
+    t = Tunable.of(s, values, p)
+    for _ in range(30):
+        (t.weight(torch.float32) * torch.linspace(-1, 1, values.numel()).reshape(values.shape)).sum().backward()
+        t.step(2.0)
+    q = t.params(p)
+    scale = q.stored[0]
+    assert scale.dtype == torch.float8_e4m3fn and not torch.equal(scale.view(torch.uint8), p.stored[0].view(torch.uint8))
+    assert torch.equal(q.step, scale.float() / p.stored[1])
+    assert torch.equal(t.weight(torch.float32), codec.dequantize(s, t.codes(), q).float())
+
+
+@pytest.mark.parametrize("name", ["nvfp4a16", "mxfp4a16"])
+def test_fp4_tuning_lowers_a_layers_error(name):
+    s, W, X, p, _, values = _fp4_solved(name)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 24, bias=False))
+    layer[0].weight.data = W.float()
+    chunks = list(X.split(64))
+
+    def forward(samples, weights):
+        return [torch.func.functional_call(layer, weights, (chunks[k],)) for k in samples]
+    with torch.no_grad():
+        targets = {k: layer(c) for k, c in enumerate(chunks)}
+    # GPTQ's values spoiled by +0.4 of the grid's spacing, as _toy's: GPTQ's own codes are already the least
+    # error of a lone Linear, so only a spoiled start leaves the tuning something to find
+    a = values.abs()
+    spoiled = values + 0.4 * torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    tunables = {"0": Tunable.of(s, spoiled, p)}
+    start = tunables["0"].codes().clone()
+    before, after = tune.tune_layer(forward, targets, tunables, iters=60, batch=4, dtype=torch.float32, seed=0)
+    assert after < 0.8 * before, (before, after)
+    assert not torch.equal(tunables["0"].codes(), start)
+
+
 def _toy(seed=0):
     """A Linear 'layer' with GPTQ's values spoiled by +0.4 (round to nearest lands a step too high on many): the
     tuning has something to find. Returns the forward tune_layer takes and the float layer's targets."""
@@ -131,6 +223,49 @@ def test_convert_with_tuning_reports_each_layer_and_keeps_gptqs_bytes_where_noth
     still = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "still", Options(**opts, tune_iters=2), Events())
     assert all(after == before for before, after in _layer_errors(still.report))
     assert shard_bytes(tmp_path / "still") == shard_bytes(tmp_path / "plain")
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16"])
+def test_an_fp4_convert_is_tuned_and_keeps_the_layout_the_library_loads(scheme, fixtures_dir, tmp_path, monkeypatch):
+    """FP4 under Hessian scales is tuned too: the layers report their error, the codes move (MXFP4's e8m0 scales
+    stay GPTQ's, NVFP4's e4m3 scales may move, its global scales never), verify --deep passes and transformers
+    with compressed-tensors loads every key into the weights the library dequantizes."""
+    from conftest import read_all
+    from transformers import AutoModelForCausalLM
+
+    from quantize import verify
+    from quantize.convert import Events, Options, convert
+    from quantize.quant import fp4
+
+    calib = calibration_samples(tmp_path, 16)
+    opts = dict(scheme=scheme, method="gptq", calib=str(calib), num_samples=8, seq_len=48, device="cpu")
+    monkeypatch.setattr(signround, "LR", SMALL_STEPS[0])
+    monkeypatch.setattr(signround, "SCALE_LR", SMALL_STEPS[1])
+    src = fixtures_dir / "llama-bf16"
+    convert(str(src), tmp_path / "plain", Options(**opts, tune_iters=0), Events())
+    tuned = convert(str(src), tmp_path / "tuned", Options(**opts, tune_iters=4), Events())
+    assert any(after < before for before, after in _layer_errors(tuned.report))
+    a, b = read_all(tmp_path / "tuned"), read_all(tmp_path / "plain")
+    assert a.keys() == b.keys()
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.endswith("weight_packed"))
+    # MXFP4's scales are not tuned: layer 0's are GPTQ's (a later layer's Hessian-chosen ones see inputs the tuning
+    # moved); NVFP4's global scales come from the weights alone
+    fixed = [k for k in a if k.endswith("weight_global_scale")] if scheme == "nvfp4a16" else \
+        [k for k in a if k.endswith("weight_scale") and k.startswith("model.layers.0.")]
+    assert fixed and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in fixed)
+    packed = [k for k in a if k.endswith("weight_packed")]
+    report = verify.verify(tmp_path / "tuned", source=src, deep=True)
+    assert not report.findings and report.deep_checked == len(packed)
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "tuned", output_loading_info=True,
+                                                       dtype=torch.bfloat16)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    with torch.no_grad():  # the first forward decompresses
+        assert torch.isfinite(model(torch.tensor([[1, 17, 230, 5]])).logits).all()
+    for k in packed:
+        m = k.removesuffix(".weight_packed")
+        parts = {n.rpartition(".")[2]: v for n, v in a.items() if n.rpartition(".")[0] == m}
+        want, _ = fp4.dequantize(parts, scheme == "nvfp4a16")
+        assert torch.equal(model.get_parameter(f"{m}.weight").data, want.to(torch.bfloat16)), m
 
 
 def test_tuning_on_two_ranks_gives_the_bytes_of_one(fixtures_dir, tmp_path):

@@ -73,10 +73,11 @@ def _layers(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[memory
 
 
 def tunes(recipe) -> bool:
-    """Whether GPTQ's dense layers are then tuned (engine/tune.py): steps asked for, and symmetric INT4 (FP4's
-    e2m1 is no uniform grid to move a rounding offset on, and an asymmetric zero point is not tuned)."""
+    """Whether GPTQ's dense layers are then tuned (engine/tune.py): steps asked for, and symmetric INT4 or FP4
+    weights with 16-bit activations (an asymmetric zero point is not tuned, and NVFP4's W4A4 forward would need its
+    activations quantized too)."""
     s = recipe.scheme
-    return recipe.gptq.iters > 0 and not s.fp4 and s.symmetric and s.num_bits == 4
+    return recipe.gptq.iters > 0 and not s.w4a4 and (bool(s.fp4) or (s.symmetric and s.num_bits == 4))
 
 
 def results_bytes(plan: Plan, rank: int = 0, world: int = 1) -> int:
@@ -854,7 +855,7 @@ class LayerwiseQuantizer:
         A Linear whose GPTQ fell back to RTN, or whose groups keep an INT4 source's lattice, stays as solved.
         The float path of the tuned samples moves on through the float layer (its outputs are the targets)."""
         p = self.recipe.gptq
-        tunables = {m: Tunable.start(r[3], r[1].step.float()) for m, r in solved.items()
+        tunables = {m: Tunable.of(self.recipe.scheme, r[3], r[1]) for m, r in solved.items()
                     if r[3] is not None and not r[2] and targets[m].tensor.encoding != "ct-int4"}
         if tunables:
             samples = tuning.subset(len(self.positions), p.tune_samples)
@@ -871,8 +872,7 @@ class LayerwiseQuantizer:
         for m, (codes, params, fallback, _) in solved.items():
             t = tunables.get(m)
             if t is not None:
-                step = t.steps().to(params.step.dtype)
-                codes, params = t.codes(), codec.Params(step, None, (step,))
+                codes, params = t.codes(), t.params(params)
             out[m] = (codes, params, fallback)
         return out
 

@@ -1,4 +1,5 @@
-"""Sign-gradient rounding seeded from GPTQ (SignRound: Cheng et al., 2023, arXiv:2309.05516), for symmetric INT4.
+"""Sign-gradient rounding seeded from GPTQ (SignRound: Cheng et al., 2023, arXiv:2309.05516), for symmetric INT4
+and FP4 (NVFP4, MXFP4).
 
 GPTQ chooses each code against its own Linear's inputs, one column at a time. What serving sees is the decoder
 layer's output, through attention's softmax and the MLP's gate. SignRound tunes, per layer, an offset V in
@@ -6,7 +7,13 @@ layer's output, through attention's softmax and the MLP's gate. SignRound tunes,
 steps on the layer's output error (a straight-through estimate of the rounding's gradient). Here the values are
 not w / scale but GPTQ's own: the updated weight over its step at the moment GPTQ rounded it, so V = 0 gives GPTQ's
 codes exactly and the steps start from them, where SignRound starts from round to nearest. The stored format is
-unchanged: int codes in [q_min, q_max] and one positive scale per group, in the model's dtype.
+unchanged: int codes in [q_min, q_max] and one positive scale per group, in the model's dtype; or e2m1 codes under
+NVFP4's e4m3 scales (the tuned scale is rounded to e4m3 in every forward, straight through, so what is tuned is
+what is stored) or MXFP4's powers of two (not tuned: a factor within +-30% rounds back to the same power).
+
+e2m1 is no uniform grid: its spacing is 0.5 below 2, 1 below 4 and 2 up to 6. The offset is counted in the
+spacing where the value lies, so V = +-0.5 reaches the next rounding boundary anywhere on the grid (auto-round adds
+it in units of 1, which can move no code at all between 4 and 6 and two codes below 2).
 
 Pure tensor functions: the layer's forward and the loss are the engine's (engine/tune.py).
 """
@@ -15,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantize.quant import codec, fp4
 from quantize.quant.rtn import int_range
 
 # Steps: V moves by LR (scaled by the schedule) per iteration, the scale factor by SCALE_LR. SignRound's default is
@@ -26,42 +34,97 @@ SCALE_LR = 0.002
 SCALE_RANGE = 0.3  # the factor on a group's scale stays in [1 - 0.3, 1 + 0.3]
 
 
+E4M3_MAX = 448.0
+E4M3_TINY = 2.0 ** -9  # e4m3's least positive value: a group's scale, once nonzero, never tunes to 0
+
+
 @dataclass
 class Tunable:
     """One Linear's rounding under tuning: values [out, in] float32 (GPTQ's w / step before rounding), scale
-    [out, groups] float32, and the tuned offset [out, in] and scale factor - 1 [out, groups] (both start at 0)."""
+    [out, groups] float32 (INT4 and MXFP4: each group's step; NVFP4: its e4m3 scale, the step being scale /
+    gscale), and the tuned offset [out, in] and scale factor - 1 [out, groups] (both start at 0). grid: "int4",
+    "nvfp4" or "mxfp4"."""
 
     values: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
     factor: torch.Tensor
     num_bits: int = 4
+    grid: str = "int4"
+    gscale: torch.Tensor | None = None  # NVFP4's global scale
 
     @classmethod
-    def start(cls, values: torch.Tensor, scale: torch.Tensor, num_bits: int = 4) -> "Tunable":
+    def start(cls, values: torch.Tensor, scale: torch.Tensor, num_bits: int = 4, grid: str = "int4",
+              gscale: torch.Tensor | None = None) -> "Tunable":
         assert values.shape[0] == scale.shape[0] and values.shape[1] % scale.shape[1] == 0, \
             f"values {tuple(values.shape)} for scale {tuple(scale.shape)}"
+        assert (grid == "nvfp4") == (gscale is not None), "NVFP4, and only NVFP4, has a global scale"
         offset = torch.zeros_like(values, dtype=torch.float32, requires_grad=True)
-        factor = torch.zeros_like(scale, dtype=torch.float32, requires_grad=True)
-        return cls(values.float(), scale.float(), offset, factor, num_bits)
+        # MXFP4's power-of-two scales are not tuned (the module's docstring)
+        factor = torch.zeros_like(scale, dtype=torch.float32, requires_grad=grid != "mxfp4")
+        return cls(values.float(), scale.float(), offset, factor, num_bits, grid,
+                   None if gscale is None else gscale.float())
+
+    @classmethod
+    def of(cls, scheme, values: torch.Tensor, params: "codec.Params") -> "Tunable":
+        """A Linear's GPTQ result (its values and codec.Params) under `scheme` made tunable."""
+        if scheme.fp4 == "nvfp4":
+            return cls.start(values, params.stored[0].float(), grid="nvfp4", gscale=params.stored[1])
+        return cls.start(values, params.step.float(), scheme.num_bits, scheme.fp4 or "int4")
+
+    def _moved(self, offset: torch.Tensor) -> torch.Tensor:
+        """The values moved by `offset`, before rounding; on e2m1, in units of the grid's spacing where each
+        value lies, and clamped to its range +-6."""
+        if self.grid == "int4":
+            return self.values + offset
+        a = self.values.abs()
+        spacing = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+        return torch.clamp(self.values + offset * spacing, -6.0, 6.0)
 
     def codes(self) -> torch.Tensor:
-        """int8 [out, in]: round(values + offset), clamped to the scheme's range."""
+        """int8 [out, in]: INT4's round(values + offset), clamped to the scheme's range; or FP4's 4-bit codes."""
+        x = self._moved(self.offset.detach())
+        if self.grid != "int4":
+            return fp4.value_codes(fp4.round_e2m1_(x)).to(torch.int8)
         q_min, q_max = int_range(self.num_bits)
-        return torch.clamp(torch.round(self.values + self.offset.detach()), q_min, q_max).to(torch.int8)
+        return torch.clamp(torch.round(x), q_min, q_max).to(torch.int8)
+
+    def _scale(self, factor: torch.Tensor) -> torch.Tensor:
+        """Each group's scale under `factor`, as stored: NVFP4's rounded to e4m3 (the gradient straight through)."""
+        s = self.scale * (1 + factor)
+        if self.grid == "nvfp4":
+            s = torch.where(self.scale > 0, s.clamp(E4M3_TINY, E4M3_MAX), 0.0)
+            s = s + (s.detach().to(torch.float8_e4m3fn).float() - s.detach())
+        return s
 
     def steps(self) -> torch.Tensor:
-        """float32 [out, groups]: each group's tuned scale."""
-        return self.scale * (1 + self.factor.detach())
+        """float32 [out, groups]: each group's tuned step (NVFP4: its tuned e4m3 scale over the global scale)."""
+        s = self._scale(self.factor.detach())
+        return s / self.gscale if self.grid == "nvfp4" else s
+
+    def params(self, solved: "codec.Params") -> "codec.Params":
+        """GPTQ's codec.Params `solved` with the tuned steps, the scale tensors in the dtypes it stores them."""
+        if self.grid == "nvfp4":
+            scale = self._scale(self.factor.detach())
+            return codec.Params(scale / self.gscale, None, (scale.to(solved.stored[0].dtype), solved.stored[1]))
+        if self.grid == "mxfp4":
+            return solved  # its scales are not tuned
+        step = self.steps().to(solved.step.dtype)
+        return codec.Params(step, None, (step,))
 
     def weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight [out, in] in `dtype`, differentiable in offset and factor: the rounding passes
         its gradient straight through (SignRound's estimate)."""
-        q_min, q_max = int_range(self.num_bits)
-        x = self.values + self.offset
-        q = torch.clamp(x + (torch.round(x) - x).detach(), q_min, q_max)
+        x = self._moved(self.offset)
+        if self.grid == "int4":
+            q_min, q_max = int_range(self.num_bits)
+            q = torch.clamp(x + (torch.round(x) - x).detach(), q_min, q_max)
+        else:
+            q = x + (fp4.round_e2m1_(x.detach().clone()) - x.detach())
         out, groups = self.scale.shape
-        s = self.scale * (1 + self.factor)
+        s = self._scale(self.factor)
+        if self.grid == "nvfp4":
+            s = s / self.gscale
         return (q.reshape(out, groups, -1) * s[..., None]).reshape(q.shape).to(dtype)
 
     def step(self, lr: float) -> None:
