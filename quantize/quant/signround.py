@@ -13,7 +13,8 @@ what is stored) or MXFP4's powers of two (not tuned: a factor within +-30% round
 
 e2m1 is no uniform grid: its spacing is 0.5 below 2, 1 below 4 and 2 up to 6. The offset is counted in the
 spacing where the value lies, so V = +-0.5 reaches the next rounding boundary anywhere on the grid (auto-round adds
-it in units of 1, which can move no code at all between 4 and 6 and two codes below 2).
+it in units of 1: a whole step below 2, where every code may move, but a quarter of one between 4 and 6, where only
+values within 0.5 of the boundary at 5 can).
 
 Pure tensor functions: the layer's forward and the loss are the engine's (engine/tune.py).
 """
