@@ -859,18 +859,19 @@ def bench_moe_layer(args) -> dict:
     dims = Dims(hidden=args.hidden, moe_inter=args.moe_inter, inter=args.moe_inter, vocab=make_fixture.VOCAB,
                 heads=args.heads, experts=args.experts)
     src = work / f"moe-layer-{args.experts}x{args.hidden}x{args.moe_inter}"
+    t = time.perf_counter()
     if not (src / "config.json").exists():
         synthetic_kimi(src, dims=dims, n_layers=2, n_shards=2, part_bytes=2 << 30)
         make_fixture.build_tokenizer(src)
+    calib = calibration_text(work, args.num_samples * args.seq_len).resolve()
+    print(f"checkpoint and calibration text ready in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
     out = work / "moe-layer-gptq"
     fresh(out)
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "kimi-k2-w4a16.yaml"
     devices = args.devices or args.device
     cmd = [sys.executable, "-m", "quantize", "convert", str(src), str(out), "--recipe", str(recipe), "--method", "gptq",
-           "--calib", str(calibration_text(work, args.num_samples * args.seq_len).resolve()), "--num-samples",
-           str(args.num_samples), "--seq-len",
-           str(args.seq_len), "--device", devices.split(",")[0], "--min-expert-tokens", str(args.min_expert_tokens),
-           "--json"]
+           "--calib", str(calib), "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--device",
+           devices.split(",")[0], "--min-expert-tokens", str(args.min_expert_tokens), "--json"]
     if "," in devices:
         cmd += ["--devices", devices]
     t = time.perf_counter()

@@ -169,7 +169,8 @@ class AWQExperts(LayerExperts):
         if rank == 0:
             dense_total, dense_rows, shared_loss, elements = dense
             total = sum(sums[1:], sums[0])
-            total = total[:-1] + dense_total if dense_rows else total[:-1]  # the groups in order, then the shared
+            # the groups' sums come over the ranks' CPU exchange; the shared experts' are on rank 0's device
+            total = total[:-1] + dense_total.to("cpu") if dense_rows else total[:-1]
             rows = int(sum(float(p[-1]) for p in sums)) + dense_rows
             means[0], means[1] = x_mean.to(s.device), (total / rows).float().to(s.device)
         if world > 1:
