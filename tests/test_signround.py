@@ -11,7 +11,7 @@ from test_ranks import convert as convert_cli
 from test_ranks import gptq_args, shard_bytes
 
 from quantize.engine import tune
-from quantize.quant import gptq, signround
+from quantize.quant import fp4, gptq, signround
 from quantize.quant.signround import Tunable
 
 
@@ -98,8 +98,6 @@ def test_a_fresh_fp4_tunable_is_gptqs_bytes_exactly(name):
 def test_an_fp4_offset_counts_in_the_grids_spacing():
     """e2m1's spacing is 0.5 below 2, 1 below 4 and 2 up to 6: an offset of +-0.5 moves a value by a quarter,
     a half or one unit, so each reaches its neighbours' rounding boundaries wherever it lies."""
-    from quantize.quant import fp4
-
     t = Tunable.start(torch.tensor([[0.3, 2.6, 4.6, -4.6]]), torch.ones(1, 1), grid="mxfp4")
     value = lambda: fp4.VALUES[t.codes().long()][0].tolist()  # noqa: E731
     assert value() == [0.5, 3.0, 4.0, -4.0]
@@ -142,8 +140,7 @@ def test_fp4_tuning_lowers_a_layers_error(name):
         targets = {k: layer(c) for k, c in enumerate(chunks)}
     # GPTQ's values spoiled by +0.4 of the grid's spacing, as _toy's: GPTQ's own codes are already the least
     # error of a lone Linear, so only a spoiled start leaves the tuning something to find
-    a = values.abs()
-    spoiled = values + 0.4 * torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    spoiled = values + 0.4 * fp4.spacing(values)
     tunables = {"0": Tunable.of(s, spoiled, p)}
     start = tunables["0"].codes().clone()
     before, after = tune.tune_layer(forward, targets, tunables, iters=60, batch=4, dtype=torch.float32, seed=0)

@@ -112,15 +112,20 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
 VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
+def spacing(x: torch.Tensor) -> torch.Tensor:
+    """e2m1's grid spacing where each of x lies: 0.5 below 2, 1 below 4, 2 up to 6 (by |x|)."""
+    a = x.abs()
+    return torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+
+
 def round_e2m1_(x: torch.Tensor) -> torch.Tensor:
     """x (within +-6) rounded in place to the nearest e2m1 value, ties to even, signed zeros as the library's
     (-0.0 for a small negative): compressed-tensors' cast_to_fp4 in six elementwise ops, where it takes fifteen. The
     spacing is 0.5 below 2, 1 below 4 and 2 up to 6, and x / spacing is exact, so round-half-even of it is the
     cast's rounding (the tie at 0.25 goes to 0, at 0.75 to 1, at 2.5 to 2 and at 5 to 4; tests/test_fp4.py)."""
     x.add_(0.0)  # -0.0 becomes +0.0, as the cast's |x| * sign(x) makes it; a small negative still rounds to -0.0
-    a = x.abs()
-    spacing = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-    return x.div_(spacing).round_().mul_(spacing)
+    step = spacing(x)
+    return x.div_(step).round_().mul_(step)
 
 
 def value_codes(v: torch.Tensor) -> torch.Tensor:

@@ -78,9 +78,7 @@ class Tunable:
         value lies, and clamped to its range +-6."""
         if self.grid == "int4":
             return self.values + offset
-        a = self.values.abs()
-        spacing = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
-        return torch.clamp(self.values + offset * spacing, -6.0, 6.0)
+        return torch.clamp(self.values + offset * fp4.spacing(self.values), -6.0, 6.0)
 
     def codes(self) -> torch.Tensor:
         """int8 [out, in]: INT4's round(values + offset), clamped to the scheme's range; or FP4's 4-bit codes."""
