@@ -9,8 +9,7 @@ timed through the solve with its memory peak; GPTQ of the Kimi fixture on the GP
 agree as well as the CPU's agree with its own float32 forwards, each module kind's mean weight error within 2% of
 the CPU's, and the peak GPU memory at most the account the ranks agreed on; GPTQ then tuning (INT4, NVFP4, MXFP4)
 twice, and an 8B-shaped layer's phases; a real-shape Kimi K2 MoE layer (48 of its 384 experts, KIMI_SAMPLES x 2048
-tokens),
-its seconds per phase, extrapolated by phase; then the CUDA tests, GLM-4.5 and GLM-5, every offload, the FP4
+tokens), its seconds per phase, extrapolated by phase; then the CUDA tests, GLM-4.5 and GLM-5, every offload, the FP4
 schemes, --kv-cache fp8, AWQ, TF32 override, --resume after a SIGKILL, torchrun on one GPU refused, cuda:1.
 Every check runs under its own timeout; the JSON ($OUT/gpu-check.json) is rewritten after each one, so a call cut
 short still says what ran. `--device cpu` is the rehearsal: the same checks where a CPU can run them (shapes
@@ -276,13 +275,13 @@ def tuned_gptq(ctx: Ctx) -> str:
 
     a = convert(ctx, "llama-bf16", ctx.work / "tuned-a", recipe_name="dense-w4a16", tune_iters=10)
     b = convert(ctx, "llama-bf16", ctx.work / "tuned-b", recipe_name="dense-w4a16", tune_iters=10)
-    dropped = sum(t[1] < t[0] for t in (x.tuned for x in ctx.layers["tuned-a"]) if t)
+    dropped = _dropped(ctx, "tuned-a")
     fp4 = []
     for scheme in ("nvfp4a16", "mxfp4a16"):  # e2m1 offsets, NVFP4's e4m3 scale rounded in every forward on the GPU
         first = convert(ctx, "llama-bf16", ctx.work / f"tuned-{scheme}-a", scheme=scheme, tune_iters=10)
         again = convert(ctx, "llama-bf16", ctx.work / f"tuned-{scheme}-b", scheme=scheme, tune_iters=10)
         assert first == again, f"{scheme}: two tuned runs gave different bytes"
-        fp4.append(f"{scheme} {sum(t[1] < t[0] for t in (x.tuned for x in ctx.layers[f'tuned-{scheme}-a']) if t)}")
+        fp4.append(f"{scheme} {_dropped(ctx, f'tuned-{scheme}-a')}")
     hidden, inter, samples, seq = (4096, 14336, 32, 2048) if ctx.cuda else (512, 1408, 4, 128)
     src = ctx.work / f"llama-{hidden}"
     if not (src / "config.json").exists():
@@ -299,6 +298,11 @@ def tuned_gptq(ctx: Ctx) -> str:
     assert a == b, f"two tuned runs gave different bytes ({dropped} layers' error dropped)"
     return (f"fixture: the same bytes twice, {dropped} layers' error dropped (FP4, twice the same bytes: "
             f"{', '.join(fp4)}); {hidden}/{inter} layers: {phases}")
+
+
+def _dropped(ctx: Ctx, name: str) -> int:
+    """How many of an output's layers kept their tuning (the error after below the error before)."""
+    return sum(t[1] < t[0] for t in (x.tuned for x in ctx.layers[name]) if t)
 
 
 def _cli(ctx: Ctx, kind: str, out: Path, *extra: str) -> list[str]:
