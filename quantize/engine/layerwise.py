@@ -52,7 +52,7 @@ from quantize.engine.hessians import Hessians
 from quantize.engine.layer_state import CALIB_DIR, LayerCheckpoint, Resume, samples_key
 from quantize.errors import QuantizeError
 from quantize.quant import codec, fp4, gptq, precision, scales
-from quantize.quant.signround import Tunable
+from quantize.quant.signround import START_FROM_RTN, Tunable
 from quantize.tensor_plan import Entry, Plan
 
 
@@ -855,23 +855,30 @@ class LayerwiseQuantizer:
         A Linear whose GPTQ fell back to RTN, or whose groups keep an INT4 source's lattice, stays as solved.
         The float path of the tuned samples moves on through the float layer (its outputs are the targets)."""
         p = self.recipe.gptq
-        tunables = {m: Tunable.of(self.recipe.scheme, r[3], r[1]) for m, r in solved.items()
+        mods = dict(layer.named_modules())
+        tunables = {m: Tunable.of(self.recipe.scheme, r[3], r[1], mods[m].weight.data) for m, r in solved.items()
                     if r[3] is not None and not r[2] and targets[m].tensor.encoding != "ct-int4"}
+        kept = False
         if tunables:
             samples = tuning.subset(len(self.positions), p.tune_samples)
             float_out: dict[int, torch.Tensor] = {}
             with torch.no_grad():  # not inference mode: the targets are saved for the loss's backward
                 for chunk in tuning.chunks(samples, p.tune_batch):
                     float_out |= dict(zip(chunk, self._tuning_forward(layer, i, chunk, None), strict=True))
+            gptq = None
+            if self.recipe.scheme.fp4 in START_FROM_RTN:  # the error to beat is GPTQ's, not the start's
+                gptq = {m: Tunable.of(self.recipe.scheme, solved[m][3], solved[m][1]).weight(self.compute)
+                        for m in tunables}
             before, after = tuning.tune_layer(partial(self._tuning_forward, layer, i), float_out, tunables,
                                               p.iters, p.tune_batch, self.compute,
-                                              seed=self.recipe.calibration.seed * 100003 + i)
+                                              seed=self.recipe.calibration.seed * 100003 + i, gptq=gptq)
             report.tuned = [before, after]
+            kept = after < before
             self.float_path = {s: self._kept(y) for s, y in float_out.items()}
         out = {}
         for m, (codes, params, fallback, _) in solved.items():
             t = tunables.get(m)
-            if t is not None:
+            if t is not None and kept:
                 codes, params = t.codes(), t.params(params)
             out[m] = (codes, params, fallback)
         return out

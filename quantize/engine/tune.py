@@ -9,8 +9,9 @@ samples (engine/layerwise.py) and hands the targets in. The samples tuned on are
 samples (never of one rank's share), and the batches are drawn from them by a seeded generator: the same bytes on
 any number of ranks.
 
-The result is kept only if it lowers the layer's output error over the whole subset: a layer the tuning does
-not help keeps GPTQ's codes and scales exactly.
+The result is kept only if it lowers the layer's output error over the whole subset below GPTQ's: a layer the
+tuning does not help keeps GPTQ's codes and scales exactly, also where the tuning started from round to nearest
+(quant/signround.py: START_FROM_RTN).
 """
 
 from collections.abc import Callable
@@ -33,26 +34,31 @@ def subset(n_samples: int, count: int) -> list[int]:
 
 
 def tune_layer(forward: Forward, targets: dict[int, torch.Tensor], tunables: dict[str, Tunable], iters: int,
-               batch: int, dtype: torch.dtype, seed: int) -> tuple[float, float]:
+               batch: int, dtype: torch.dtype, seed: int,
+               gptq: dict[str, torch.Tensor] | None = None) -> tuple[float, float]:
     """Tune `tunables` (by their module names in the layer) towards `targets` (sample -> the float path's output).
 
-    Each step takes `batch` samples through one forward. Returns the mean squared output error over all the
-    samples before and after; when after is not lower, every tunable is reset to GPTQ's codes and scales."""
+    Each step takes `batch` samples through one forward. gptq: GPTQ's dequantized weights by module name, where
+    the tunables did not start from them (else their start is GPTQ's). Returns the mean squared output error over
+    all the samples under GPTQ's weights and after the steps; when after is not lower, every tunable is reset to
+    its start and the caller keeps GPTQ's codes and scales."""
     samples = list(targets)
 
-    def weights() -> dict[str, torch.Tensor]:
+    def weights(given: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        if given is not None:
+            return {f"{m}.weight": w for m, w in given.items()}
         return {f"{m}.weight": t.weight(dtype) for m, t in tunables.items()}
 
     def loss(chunk: list[int], w: dict[str, torch.Tensor]) -> torch.Tensor:
         ys = forward(chunk, w)
         return sum(_mse(y, targets[s]) for s, y in zip(chunk, ys, strict=True)) / len(chunk)
 
-    def error() -> float:
+    def error(given: dict[str, torch.Tensor] | None = None) -> float:
         with torch.no_grad():
-            w = weights()
+            w = weights(given)
             return sum(float(loss(c, w)) * len(c) for c in chunks(samples, batch)) / len(samples)
 
-    before = error()
+    before = error(gptq)
     gen = torch.Generator().manual_seed(seed)
     for it in range(iters):
         order = torch.randperm(len(samples), generator=gen)[:batch].tolist()
