@@ -51,8 +51,9 @@ class Layer:
 # The tuning's bytes per weight of a tuned layer: GPTQ's values before rounding, the offset and its gradient (float32
 # each), the rounded values autograd keeps for the scale's gradient and the clamp's (float32), the weight rebuilt
 # in the compute dtype (2 more); on FP4's e2m1 grid also the spacing the offset is counted in (float32, kept for the
-# offset's gradient) and the clamp's mask (1 byte), counted for every scheme (INT4 overcounts by 5)
-TUNE_BYTES_PER_WEIGHT = 27
+# offset's gradient) and the clamp's mask (1 byte); on MXFP4, which starts from round to nearest, GPTQ's weights in
+# the compute dtype, whose error the tuning must beat (2 more). Counted for every scheme (INT4 overcounts by 7)
+TUNE_BYTES_PER_WEIGHT = 29
 
 
 @dataclass(frozen=True)
