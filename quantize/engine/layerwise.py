@@ -867,7 +867,7 @@ class LayerwiseQuantizer:
                     float_out |= dict(zip(chunk, self._tuning_forward(layer, i, chunk, None), strict=True))
             gptq = None
             if self.recipe.scheme.fp4 in START_FROM_RTN:  # the error to beat is GPTQ's, not the start's
-                gptq = {m: Tunable.of(self.recipe.scheme, solved[m][3], solved[m][1]).weight(self.compute)
+                gptq = {m: codec.dequantize(self.recipe.scheme, solved[m][0], solved[m][1]).to(self.compute)
                         for m in tunables}
             before, after = tuning.tune_layer(partial(self._tuning_forward, layer, i), float_out, tunables,
                                               p.iters, p.tune_batch, self.compute,

@@ -95,11 +95,10 @@ class Tunable:
             values = (w.float().unflatten(-1, (step.shape[1], -1)) / step[..., None]).flatten(-2)
         return cls.start(values, step, scheme.num_bits, scheme.fp4 or "int4")
 
-    def _shift(self, factor: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _shift(factor: torch.Tensor) -> torch.Tensor:
         """MXFP4: 2 ** each group's exponent shift [out, groups], the shift rounded to an integer (its gradient
-        straight through); 1 on the other grids, whose factor scales the step itself (_scale)."""
-        if self.grid != "mxfp4":
-            return torch.ones_like(self.scale)
+        straight through). The other grids' factor scales the step itself (_scale)."""
         return torch.exp2(factor + (torch.round(factor) - factor).detach())
 
     def _moved(self, offset: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
