@@ -19,7 +19,8 @@ ranks, every AWQ output's bytes against the one-rank one, and with `--old` the A
 larger --hidden / --moe-inter (2048 x 1280: 1.88 GiB of bf16 experts a layer) measures peak RSS against one
 layer's experts.
 
-`gptq` / `awq`: SmolLM2-135M-Instruct (rebuilt by ../shared/scripts/build_smollm2.py) quantized W4A16 group 64
+`gptq` / `awq`: SmolLM2-135M-Instruct (rebuilt by ../shared/scripts/build_smollm2.py; `--model gemma3`: Gemma 3
+270M, a second family, rebuilt by scripts/build_gemma3.py) quantized W4A16 group 64
 symmetric by our RTN, our layerwise GPTQ (or AWQ) and llm-compressor's `oneshot` + GPTQModifier (or AWQModifier +
 QuantizationModifier) from the same calibration token windows of pydoc_data.topics (not shuffled); perplexity of
 each on /usr/share/common-licenses/GPL-3 (neither calibration nor evaluation data), wall time and peak RSS of ours
@@ -458,6 +459,20 @@ def calibration_text(work: Path, tokens: int = 0) -> Path:
     return path
 
 
+# the real models a bench can rebuild from the registry: SmolLM2-135M (Llama) and Gemma 3 270M, a second family
+BUILDERS = {"smollm2": Path(__file__).resolve().parents[2] / "shared/scripts/build_smollm2.py",
+            "gemma3": Path(__file__).resolve().parent / "build_gemma3.py"}
+
+
+def source_model(work: Path, model: str, dither: float) -> Path:
+    """`model`'s bf16 build under `work` (dithered off its GGUF's 4-bit lattice by `dither`), built once."""
+    src = work / (model if not dither else f"{model}-dither{dither}")
+    if not (src / "model.safetensors").exists():
+        subprocess.run([sys.executable, str(BUILDERS[model]), str(src), *(["--dither", str(dither)] if dither else [])],
+                       check=True)
+    return src
+
+
 def rule_flags(rule: str | None) -> list[str]:
     """A scale rule of --scales as convert's flags: hessian, minmax, or either with its tuning steps (hessian+tune0:
     GPTQ alone; hessian is tuned by default)."""
@@ -479,11 +494,8 @@ def bench_calibrated(args) -> dict:
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    src = work / ("smollm2" if not args.dither else f"smollm2-dither{args.dither}")
-    if not (src / "model.safetensors").exists():
-        subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "shared/scripts/build_smollm2.py"),
-                        str(src), *(["--dither", str(args.dither)] if args.dither else [])], check=True)
-    if args.dither:  # other weights, other outputs: keep them apart from the undithered build's
+    src = source_model(work, args.model, args.dither)
+    if args.dither or args.model != "smollm2":  # other weights, other outputs: apart from the plain SmolLM2's
         work = work / f"{src.name}-runs"
         work.mkdir(exist_ok=True)
     data = calibration_text(work)
@@ -595,7 +607,7 @@ def bench_calibrated(args) -> dict:
         extra |= {f"{m}{tag(s)}_bytes_vs_llmc": compare_outputs(outs[f"{m}{tag(s)}"], outs[f"llmc-{m}{tag(s)}"])
                   for s in seeds}
     return {
-        "model": "SmolLM2-135M-Instruct", "method": m,
+        "model": {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}[args.model], "method": m,
         "forward_dtype": str(forward_dtype()).removeprefix("torch."),  # the reference's and the perplexities'
 
         "scheme": args.scheme if fp4 else f"w4a16 g{args.group_size} symmetric",
@@ -1139,8 +1151,11 @@ def main() -> None:
                        default="w4a16", help="w4a16: INT4 at --group-size; nvfp4a16, mxfp4a16: compressed-tensors' "
                        "FP4 presets (their own group sizes), with llm-compressor's RTN of the same preset beside")
         q.add_argument("--repeat", type=int, default=1, help="runs of each tool, alternated; the fastest counts")
-        q.add_argument("--dither", type=float, default=0.0, help="build SmolLM2 with build_smollm2.py --dither F (its "
+        q.add_argument("--dither", type=float, default=0.0, help="build the model with its builder's --dither F (its "
                        "weights off the GGUF's 4-bit lattice); 0: the plain build")
+        q.add_argument("--model", choices=sorted(BUILDERS), default="smollm2", help="smollm2: SmolLM2-135M-Instruct "
+                       "(Llama; ../shared/scripts/build_smollm2.py); gemma3: Gemma 3 270M, a second family "
+                       "(scripts/build_gemma3.py)")
         if method == "gptq":
             q.add_argument("--autoround", default="", help="also auto-round at these iters on every draw, e.g. 200,50 "
                            "(its default and its light preset; under nvfp4a16 / mxfp4a16 its nv_fp / mx_fp weights, A16)")
