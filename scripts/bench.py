@@ -643,10 +643,7 @@ def bench_experts(args) -> dict:
     from quantize.quant import gptq, rtn, scales
 
     work = Path(args.work)
-    src = work / ("smollm2" if not args.dither else f"smollm2-dither{args.dither}")
-    if not (src / "model.safetensors").exists():
-        subprocess.run([sys.executable, str(Path(__file__).resolve().parents[2] / "shared/scripts/build_smollm2.py"),
-                        str(src), *(["--dither", str(args.dither)] if args.dither else [])], check=True)
+    src = source_model(work, "smollm2", args.dither)
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     samples = calib.load_samples(str(calibration_text(work)), calib.load_tokenizer(src), 48, 512, seed=0)
     layers = [int(x) for x in args.layers.split(",")]
