@@ -33,6 +33,7 @@ class Options:
     min_expert_tokens: int | None = None
     scales: str | None = None
     tune_iters: int | None = None
+    tune_holdout: int | None = None
     offload: str = "auto"
     trust_remote_code: bool = False
     device: str = "auto"
@@ -111,7 +112,8 @@ def recipe_of(o: Options) -> recipes.Recipe:
                                        calibrate_all_experts=o.calibrate_all_experts,
                                        min_expert_tokens=o.min_expert_tokens).items() if v is not None}
     r = recipes.with_overrides(r, f"{o.recipe_path or 'the preset'} with the command line's options", o.method,
-                               overrides, o.kv_cache, o.scales, o.tune_iters)
+                               overrides, o.kv_cache, o.scales, o.tune_iters,
+                               o.tune_holdout)
     if r.method != "rtn" and not r.calibration.data:
         raise UsageError(f"--method {r.method} needs calibration data: --calib FILE or the recipe's calibration.data")
     return r
@@ -335,7 +337,8 @@ def _result(plan, result, r, calibrated, dev: str) -> Result:
             # what chose each group's scale: min/max, the Hessian's diagonal blocks, the inputs' E[x^2] (rtn), AWQ
             "scales": {"gptq": r.gptq.scales, "rtn": "inputs-x2", "awq": "awq"}[r.method],
             **({"gptq": {"scales": r.gptq.scales, "dampening": r.gptq.dampening,
-                         "dampening_frac": r.gptq.dampening_frac, "tune_iters": r.gptq.iters}}
+                         "dampening_frac": r.gptq.dampening_frac, "tune_iters": r.gptq.iters,
+                         "tune_holdout": r.gptq.tune_holdout}}
                if r.method == "gptq" else {}),
             "memory": {"device": account.device, "layer": account.layer, "bytes": account.total, "free": account.free,
                        "parts": account.parts, "peak": _device_peak(dev)},
@@ -343,7 +346,8 @@ def _result(plan, result, r, calibrated, dev: str) -> Result:
             "resumed_layers": stats.resumed_layers,
             "seconds_per_layer": [round(x.seconds, 3) for x in stats.layers],
             "seconds_per_phase": [{k: round(v, 3) for k, v in x.phases.items()} for x in stats.layers],
-            # each tuned layer's output error before and after tuning (gptq tune_iters; None: not tuned)
+            # each tuned layer's output error before and after tuning, over the held-out samples (gptq
+            # tune_holdout) or else the tuned ones (tune_iters; None: not tuned)
             **({"tuned_error": [x.tuned for x in stats.layers]} if any(x.tuned for x in stats.layers) else {}),
             "experts_calibrated": sum(x.experts_calibrated for x in stats.layers),
             # each rank's seconds per phase, its loop's waits and its writers' (an idle GPU shows as a number)

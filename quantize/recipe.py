@@ -45,6 +45,10 @@ class GPTQParams:
     # is TUNE_ITERS under hessian scales and 0 under minmax, which stays llm-compressor's bytes (`iters`)
     tune_iters: int | None = None
     tune_samples: int = 32
+    # samples held out of the tuning, spread over the set between the tuned ones: a layer keeps its tuning only if
+    # its output error over these drops; 0: judged on the tuned samples themselves (engine/tune.py: measured, 32
+    # helps Gemma 3 and costs SmolLM2)
+    tune_holdout: int = 0
     tune_batch: int = 4
 
     @property
@@ -231,7 +235,8 @@ class Recipe:
 
 
 def with_overrides(r: Recipe, where: str, method: str | None = None, calibration: dict | None = None,
-                   kv_cache: str | None = None, scales: str | None = None, tune_iters: int | None = None) -> Recipe:
+                   kv_cache: str | None = None, scales: str | None = None, tune_iters: int | None = None,
+                   tune_holdout: int | None = None) -> Recipe:
     """The recipe with the command line's options in place, checked again by every rule of from_dict: an option
     must not let through what the same recipe written in its file is refused for (an FP8-block recipe with
     --method gptq)."""
@@ -240,7 +245,8 @@ def with_overrides(r: Recipe, where: str, method: str | None = None, calibration
     d["calibration"] = {**vars(r.calibration), **(calibration or {})}
     if d["method"] == "gptq":
         d["gptq"] = {**vars(r.gptq), **({"scales": scales} if scales else {}),
-                     **({"tune_iters": tune_iters} if tune_iters is not None else {})}
+                     **({"tune_iters": tune_iters} if tune_iters is not None else {}),
+                     **({"tune_holdout": tune_holdout} if tune_holdout is not None else {})}
     elif d["method"] == "awq":
         d["awq"] = vars(r.awq)
     if kv_cache:
@@ -340,9 +346,9 @@ def from_dict(raw: object, where: str) -> Recipe:
         raise UsageError(f"{where}: gptq needs 0 <= dampening_frac < 1, block_size >= 1, actorder static or null")
     iters = gptq.tune_iters
     if (iters is not None and (not isinstance(iters, int) or isinstance(iters, bool) or iters < 0)
-            or gptq.tune_samples < 1 or gptq.tune_batch < 1):
+            or gptq.tune_samples < 1 or gptq.tune_batch < 1 or gptq.tune_holdout < 0):
         raise UsageError(f"{where}: gptq needs tune_iters >= 0 (or unset: {TUNE_ITERS} under hessian scales, 0 under "
-                         "minmax), tune_samples >= 1 and tune_batch >= 1")
+                         "minmax), tune_samples >= 1, tune_holdout >= 0 and tune_batch >= 1")
     if gptq.scales not in SCALE_RULES or gptq.dampening not in DAMPING_RULES:
         raise UsageError(f"{where}: gptq scales must be one of {', '.join(SCALE_RULES)}, dampening one of "
                          f"{', '.join(DAMPING_RULES)}")

@@ -176,11 +176,12 @@ def model_card(*, repo_id: str, base_model: str | None, license: str | None, rec
     if recipe.method == "gptq":
         g = recipe.gptq
         scale_rule = "chosen by the Hessian" if g.scales == "hessian" else "min/max"
+        held = f" on {g.tune_holdout} held-out samples)" if g.tune_holdout else ")"
         lines.append(f"| GPTQ | scales {scale_rule}; dampening {g.dampening_frac} of the mean diagonal"
                      + (", more for experts routed fewer tokens than their width" if g.dampening == "tokens" else "")
                      + f"; blocks of {g.block_size}; activation order {g.actorder or 'none'}"
                      + (f"; then each dense layer tuned towards the float model's output ({g.iters} signed steps, "
-                        "kept where its error dropped)" if g.iters else "") + " |")
+                        f"kept where its error dropped{held}" if g.iters else "") + " |")
     if recipe.kv_cache:
         lines.append("| KV cache | FP8 e4m3 scales per layer (`k_scale` / `v_scale`) |")
     counts = plan_summary.get("quantized_modules_by_kind", {})

@@ -36,27 +36,29 @@ def convert_with_kv(src, out, rec_name, tmp_path, method="gptq", group_size=None
     return samples, hook.quantizer.stats
 
 
-def cached_tensors(model, samples, mla: bool) -> dict[int, torch.Tensor]:
-    """What each layer's KV cache would hold for these samples, taken from the source model's own forward:
-    K and V (flattened together) for GQA; the latent (normed compressed KV + rotary key) for MLA."""
+def cached_tensors(model, samples, mla: bool) -> dict[tuple[int, str], torch.Tensor]:
+    """What each layer's KV cache would hold for these samples, taken from the model's own forward, by (layer,
+    "k" or "v"): K and V apart for GQA, each judged with its own scale; for MLA the latent (normed compressed KV
+    + rotary key) under "k", the one scale vLLM uses for it."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    seen: dict[int, list[torch.Tensor]] = {}
+    seen: dict[tuple[int, str], list[torch.Tensor]] = {}
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
 
     def capture(module, query, key, value, *a, **k):
         i = module.layer_idx
         if mla:
-            seen.setdefault(i, []).append(key[:, :1, :, module.qk_nope_head_dim:].flatten())
+            seen.setdefault((i, "k"), []).append(key[:, :1, :, module.qk_nope_head_dim:].flatten())
         else:
-            seen.setdefault(i, []).extend([key.flatten(), value.flatten()])
+            seen.setdefault((i, "k"), []).append(key.flatten())
+            seen.setdefault((i, "v"), []).append(value.flatten())
         return sdpa(module, query, key, value, *a, **k)
 
     hooks = []
     if mla:
         for i, layer in enumerate(model.model.layers):
             hooks.append(layer.self_attn.kv_a_layernorm.register_forward_hook(
-                lambda _m, _a, out, i=i: seen.setdefault(i, []).append(out.flatten())))
+                lambda _m, _a, out, i=i: seen.setdefault((i, "k"), []).append(out.flatten())))
     ALL_ATTENTION_FUNCTIONS["sdpa"] = capture
     try:
         with torch.no_grad():
@@ -66,7 +68,7 @@ def cached_tensors(model, samples, mla: bool) -> dict[int, torch.Tensor]:
         del ALL_ATTENTION_FUNCTIONS["sdpa"]
         for h in hooks:
             h.remove()
-    return {i: torch.cat(v).float() for i, v in seen.items()}
+    return {key: torch.cat(v).float() for key, v in seen.items()}
 
 
 @pytest.mark.parametrize("kind,rec,mla", [("llama-bf16", "dense-w4a16", False), ("glm5-bf16", "glm-w4a16", True)])
@@ -87,7 +89,7 @@ def test_kv_scales_are_written_and_beat_the_default_scale(kind, rec, mla, fixtur
     model = AutoModelForCausalLM.from_pretrained(src if mla else tmp_path / "out", dtype=torch.bfloat16)
     cached = cached_tensors(model, samples, mla)
     n = cfg["num_hidden_layers"]
-    assert sorted(cached) == list(range(n))
+    assert sorted({i for i, _ in cached}) == list(range(n))
     for i in range(n):
         k, v = (out[name] for name in scale_names(i, mla))
         assert k.shape == (1,) and k.dtype == torch.bfloat16 and float(k) > 0
@@ -107,18 +109,20 @@ def scale_names(i: int, mla: bool) -> tuple[str, str]:
     return (base + "k_proj.k_scale", base + "v_proj.v_scale") if mla else (base + "k_scale", base + "v_scale")
 
 
-def assert_beats_the_default(cached: dict[int, torch.Tensor], out: dict[str, torch.Tensor], mla: bool = False) -> None:
-    """Per layer, the FP8 round trip of what the source model caches, with the calibrated scale vs 1.0. The
-    scale was chosen on the quantized model's forward, so these tensors are close to, not the same as, its
-    data: never worse than 1.0 beyond noise, better in most layers, and no clipping."""
+def assert_beats_the_default(cached: dict[tuple[int, str], torch.Tensor], out: dict[str, torch.Tensor],
+                             mla: bool = False) -> None:
+    """Per layer and per K / V, the FP8 round trip of what the model caches, with the calibrated scale (k_scale
+    for K, v_scale for V) vs 1.0. The scale was chosen on the engine's sample of the quantized layer's forward, so
+    these tensors are close to, not the same as, its data: never worse than 1.0 beyond noise, better in most, and
+    no clipping."""
     rows = []
-    for i, x in cached.items():
-        k = float(out[scale_names(i, mla)[0]])
-        assert k * kvcache.FP8_MAX > 0.9 * float(x.abs().max()), (i, k)  # at most the quantized model's drift
-        rows.append((i, kvcache.fp8_roundtrip_error(x, k), kvcache.fp8_roundtrip_error(x, 1.0)))
-    print("layer, FP8 round-trip error with the calibrated scale, with 1.0:", rows)
-    assert all(calibrated <= default * 1.02 for _, calibrated, default in rows), rows
-    assert sum(calibrated < default for _, calibrated, default in rows) >= 0.75 * len(rows), rows
+    for (i, which), x in sorted(cached.items()):
+        k = float(out[scale_names(i, mla)[0 if which == "k" else 1]])
+        assert k * kvcache.FP8_MAX > 0.9 * float(x.abs().max()), (i, which, k)  # at most the model's drift
+        rows.append((i, which, kvcache.fp8_roundtrip_error(x, k), kvcache.fp8_roundtrip_error(x, 1.0)))
+    print("layer, K/V, FP8 round-trip error with the calibrated scale, with 1.0:", rows)
+    assert all(calibrated <= default * 1.02 for _, _, calibrated, default in rows), rows
+    assert sum(calibrated < default for _, _, calibrated, default in rows) >= 0.75 * len(rows), rows
 
 
 def test_kv_scales_on_a_real_model(smollm2, tmp_path):

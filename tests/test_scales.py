@@ -218,16 +218,19 @@ def test_json_and_the_model_card_say_which_scales_damping_and_samples_made_it(fi
               "32", "--seed", "3", "--device", "cpu", "--json"]
     reports = {}
     for name, extra in (("rtn", []), ("gptq", ["--method", "gptq"]),
-                        ("minmax", ["--method", "gptq", "--scales", "minmax"])):
+                        ("minmax", ["--method", "gptq", "--scales", "minmax"]),
+                        ("held", ["--method", "gptq", "--tune-holdout", "2"])):
         r = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / name), *common, *extra])
         assert r.exit_code == 0, r.output
         reports[name] = json.loads(r.stdout)["calibration"]
     assert reports["rtn"]["scales"] == "inputs-x2" and "gptq" not in reports["rtn"]
     assert (reports["rtn"]["samples"], reports["rtn"]["seq_len"], reports["rtn"]["seed"]) == (4, 32, 3)
     assert reports["gptq"]["gptq"] == {"scales": "hessian", "dampening": "tokens", "dampening_frac": 0.01,
-                                         "tune_iters": recipe.TUNE_ITERS}
+                                         "tune_iters": recipe.TUNE_ITERS, "tune_holdout": 0}
     # minmax is llm-compressor's bytes: no tuning unless asked for
     assert reports["minmax"]["gptq"]["scales"] == "minmax" and reports["minmax"]["gptq"]["tune_iters"] == 0
+    # the tuning judged on held-out samples when asked (engine/tune.py), each layer's error reported
+    assert reports["held"]["gptq"]["tune_holdout"] == 2 and len(reports["held"]["tuned_error"]) == 2
     r = dataclasses.replace(recipe.preset("w4a16", 32), calibration=dataclasses.replace(
         recipe.Calibration(), data=str(data), num_samples=8))
     card = {method: release.model_card(

@@ -198,7 +198,7 @@ def test_fp4_tuning_lowers_a_layers_error(name):
     tunables = {"0": Tunable.of(s, spoiled, p)}
     start = tunables["0"].codes().clone()
     before, after = tune.tune_layer(forward, targets, tunables, iters=60, batch=4, dtype=torch.float32, seed=0)
-    assert after < 0.8 * before, (before, after)
+    assert after < 0.9 * before, (before, after)  # MXFP4: 0.83x under the per-channel error (tune.channel_weights)
     assert not torch.equal(tunables["0"].codes(), start)
 
 
@@ -236,9 +236,60 @@ def test_tuning_that_does_not_lower_the_error_leaves_gptqs_codes_and_scales(monk
     assert float(tunables["0"].offset.abs().max()) == 0 and float(tunables["0"].factor.abs().max()) == 0
 
 
+def test_a_massive_channel_weighs_in_the_tuning_error_as_much_as_any_other():
+    # Gemma 3 keeps one residual channel at ~80% of the stream's energy on every token: under plain squared error the
+    # steps served that channel alone (tune.py's docstring: perplexity 84.07 against GPTQ's 70.08)
+    gen = torch.Generator().manual_seed(0)
+    targets = [torch.randn(1, 64, 64, generator=gen) for _ in range(3)]
+    for t in targets:
+        t[..., 0] *= 100.0
+    w = tune.channel_weights(targets)
+    assert w.dtype == torch.float32 and w.shape == (64,) and abs(float(w.mean()) - 1) < 1e-5
+    # the same relative error in the massive channel and in an ordinary one costs about the same
+    cost = [float(sum(((0.01 * t[..., c]) ** 2).mean() for t in targets) * w[c]) for c in range(64)]
+    assert max(cost) / min(cost) < 1.001
+    # a silent channel stays finite
+    assert torch.isfinite(tune.channel_weights([torch.zeros(1, 4, 64)] + targets)).all()
+
+
 def test_the_tuning_samples_spread_over_all_of_them():
     assert tune.subset(128, 32) == list(range(0, 128, 4))
     assert tune.subset(8, 32) == list(range(8))
+
+
+def test_the_held_out_samples_lie_between_the_tuned_ones_and_are_never_more_than_half():
+    tuned, held = tune.split(tune.subset(128, 64), 32)  # --tune-holdout 32: 32 tuned, 32 held out
+    assert tuned == list(range(0, 128, 4)) and held == list(range(2, 128, 4))
+    assert tune.split(list(range(8)), 32) == ([0, 2, 4, 6], [1, 3, 5, 7])  # a short set: half and half
+    assert tune.split(list(range(6)), 0) == (list(range(6)), [])
+
+
+def _overfit_toy():
+    """The toy layer whose tuned samples want other weights than its held-out ones: the tuned samples' targets
+    come from a weight moved by about a step, the held-out samples' from the float weight GPTQ was solved for.
+    What the steps learn there fits the tuned samples alone (dithered Gemma 3's layers: their error on the tuned
+    samples fell 20%, on held-out ones it rose, and the perplexity with it: tune.py's docstring)."""
+    forward, targets, values, scale = _toy()
+    W, X, *_ = _solved()
+    chunks = list(X.split(64))
+    moved = W + 0.6 * scale.repeat_interleave(16, dim=1) * torch.randn(W.shape, generator=torch.Generator().manual_seed(1))
+    tuned, held = tune.split(list(targets), 4)
+    targets = {s: chunks[s] @ (moved if s in tuned else W).t() for s in targets}
+    return forward, targets, values, scale, held
+
+
+def test_tuning_that_fits_only_the_tuned_samples_is_judged_on_held_out_ones_and_undone():
+    forward, targets, values, scale, held = _overfit_toy()
+    # judged on the samples it tuned on, the tuning looks good and is kept
+    kept = {"0": Tunable.start(values, scale)}
+    before, after = tune.tune_layer(forward, targets, kept, iters=60, batch=2, dtype=torch.float32, seed=0)
+    assert after < before and float(kept["0"].offset.detach().abs().max()) > 0
+    # judged on the held-out samples, the same steps raise the error: GPTQ's codes and scales stand
+    undone = {"0": Tunable.start(values, scale)}
+    before, after = tune.tune_layer(forward, targets, undone, iters=60, batch=2, dtype=torch.float32, seed=0,
+                                    held=held)
+    assert after >= before, (before, after)
+    assert float(undone["0"].offset.detach().abs().max()) == 0 and float(undone["0"].factor.detach().abs().max()) == 0
 
 
 SMALL_STEPS = (0.005, 0.00025)  # (LR, SCALE_LR)
@@ -365,6 +416,9 @@ def test_a_negative_tune_iters_is_refused_as_a_recipe_would_be(tmp_path):
     with pytest.raises(UsageError, match="tune_iters >= 0"):
         recipe.from_dict({"method": "gptq", "scheme": {"num_bits": 4, "group_size": 32},
                           "gptq": {"tune_iters": -1}, "calibration": {"data": "x.jsonl"}}, "r.yaml")
+    with pytest.raises(UsageError, match="tune_holdout >= 0"):
+        recipe.from_dict({"method": "gptq", "scheme": {"num_bits": 4, "group_size": 32},
+                          "gptq": {"tune_holdout": -1}, "calibration": {"data": "x.jsonl"}}, "r.yaml")
 
 
 def test_tuning_is_the_default_under_hessian_scales_and_off_under_minmax_unless_asked():
@@ -395,6 +449,11 @@ def test_the_model_card_says_when_the_layers_were_tuned():
         setup=SimpleNamespace(tp=1), gate_markdown=None, tp_sizes=[1], remote_code=False, architecture="llama",
         recipe=dataclasses.replace(r, gptq=dataclasses.replace(r.gptq, tune_iters=n))) for n in (0, 20)}
     assert "tuned towards the float model's output (20 signed steps" in cards[20] and "tuned" not in cards[0]
+    held = release.model_card(
+        repo_id="me/x", base_model=None, license=None, plan_summary={}, src_bytes=1, out_bytes=1, capacity=None,
+        setup=SimpleNamespace(tp=1), gate_markdown=None, tp_sizes=[1], remote_code=False, architecture="llama",
+        recipe=dataclasses.replace(r, gptq=dataclasses.replace(r.gptq, tune_iters=20, tune_holdout=32)))
+    assert "kept where its error dropped on 32 held-out samples)" in held and "held-out" not in cards[20]
 
 
 def _tuned_plan(fixtures_dir, tmp_path, iters=2, num_samples=6, seq_len=32):
@@ -405,7 +464,8 @@ def _tuned_plan(fixtures_dir, tmp_path, iters=2, num_samples=6, seq_len=32):
     plan, samples = calibrated_plan(fixtures_dir / "llama-bf16", "dense-w4a16", tmp_path, num_samples, seq_len)
     r = plan.recipe
     r = dataclasses.replace(r, scheme=dataclasses.replace(r.scheme, group_size=32),
-                            gptq=dataclasses.replace(r.gptq, tune_iters=iters, tune_samples=4, tune_batch=2))
+                            gptq=dataclasses.replace(r.gptq, tune_iters=iters, tune_samples=4, tune_batch=2,
+                                                     tune_holdout=2))
     from quantize.checkpoint import Checkpoint
     from quantize.tensor_plan import build
 
@@ -426,6 +486,9 @@ def test_the_tuning_targets_are_the_float_models_own_hidden_states(fixtures_dir,
     real = tune.tune_layer
 
     def spy(forward, targets, *a, **k):
+        # the held-out samples are spread between the tuned ones, and their targets are handed in too
+        assert k["held"] == tune.split(tune.subset(len(samples), 4 + 2), 2)[1] == [1, 4]
+        assert set(k["held"]) < set(targets)
         with torch.no_grad():
             quantized = {s: forward([s], {})[0] for s in targets}  # the quantized path's inputs, float weights
         seen.append(({s: t.clone() for s, t in targets.items()}, quantized))

@@ -67,7 +67,7 @@ def _layers(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[memory
     tc = plan.model.text_config
     dsa, carry = plan.model.arch.dsa, plan.model.arch.carries_topk  # score top-k per head; GLM-5 carries it (int64)
     g = plan.recipe.gptq
-    tune = (g.tune_batch, g.tune_samples) if plan.recipe.method == "gptq" and tunes(plan.recipe) else (0, 0)
+    tune = (g.tune_batch, g.tune_samples + g.tune_holdout) if plan.recipe.method == "gptq" and tunes(plan.recipe) else (0, 0)
     return memory.layers_of(plan.entries, dtype.itemsize, stack_of, gptq_, carry=8 * (tc.get("index_topk") or 0) * carry,
                             index_heads=(tc.get("index_n_heads") or 0) * dsa, tune=tune)
 
@@ -226,8 +226,8 @@ class LayerwiseQuantizer:
         # one sample at a time: batching equal-length samples measured no faster on CPU and held more memory
         self.positions = [torch.arange(s.shape[1], device=device).unsqueeze(0) for s in samples]
         self.carry: list = [None] * len(samples)  # GLM-5's DSA layers pass their top-k indices on
-        # the float model's hidden states of the tuned samples entering the next layer (engine/tune.py); empty
-        # where they are the quantized path's own: at the start, and after a layer that was not tuned
+        # the float model's hidden states of the tuned and held-out samples entering the next layer (engine/tune.py);
+        # empty where they are the quantized path's own: at the start, and after a layer that was not tuned
         self.float_path: dict[int, torch.Tensor] = {}
         self._shared: tuple = (None, None)  # (length, layer type), (mask, rotary embeddings)
         self.rotary = type(self.skeleton.model.rotary_emb)(config=self.config).to(self.device)
@@ -853,14 +853,15 @@ class LayerwiseQuantizer:
               report: LayerReport) -> dict[str, tuple]:
         """GPTQ's results of layer i's dense Linears tuned on the layer's output: (codes, Params, fallback) each.
         A Linear whose GPTQ fell back to RTN, or whose groups keep an INT4 source's lattice, stays as solved.
-        The float path of the tuned samples moves on through the float layer (its outputs are the targets)."""
+        The float path of the tuned and held-out samples moves on through the float layer (its outputs are the
+        targets)."""
         p = self.recipe.gptq
         mods = dict(layer.named_modules())
         tunables = {m: Tunable.of(self.recipe.scheme, r[3], r[1], mods[m].weight.data) for m, r in solved.items()
                     if r[3] is not None and not r[2] and targets[m].tensor.encoding != "ct-int4"}
         kept = False
         if tunables:
-            samples = tuning.subset(len(self.positions), p.tune_samples)
+            samples = tuning.subset(len(self.positions), p.tune_samples + p.tune_holdout)
             float_out: dict[int, torch.Tensor] = {}
             with torch.no_grad():  # not inference mode: the targets are saved for the loss's backward
                 for chunk in tuning.chunks(samples, p.tune_batch):
@@ -871,7 +872,9 @@ class LayerwiseQuantizer:
                         for m in tunables}
             before, after = tuning.tune_layer(partial(self._tuning_forward, layer, i), float_out, tunables,
                                               p.iters, p.tune_batch, self.compute,
-                                              seed=self.recipe.calibration.seed * 100003 + i, gptq=gptq)
+                                              seed=self.recipe.calibration.seed * 100003 + i, gptq=gptq,
+                                              held=tuning.split(samples, p.tune_holdout)[1],
+                                              per_channel=self.recipe.scheme.fp4 not in tuning.PLAIN_ERROR)
             report.tuned = [before, after]
             kept = after < before
             self.float_path = {s: self._kept(y) for s, y in float_out.items()}
