@@ -389,9 +389,11 @@ def test_an_fp4_convert_is_tuned_and_keeps_the_layout_the_library_loads(scheme, 
         assert torch.equal(model.get_parameter(f"{m}.weight").data, want.to(torch.bfloat16)), m
 
 
-def test_tuning_on_two_ranks_gives_the_bytes_of_one(fixtures_dir, tmp_path):
+@pytest.mark.parametrize("holdout", ["0", "4"])
+def test_tuning_on_two_ranks_gives_the_bytes_of_one(fixtures_dir, tmp_path, holdout):
     """Rank 0 tunes on a fixed subset of all the samples (not its share), with a seeded draw: rank 1 only waits
-    for the tuned weights in the broadcast it already joined."""
+    for the tuned weights in the broadcast it already joined. With --tune-holdout 4 the held-out half of the 8
+    samples is judged on too (the random fixture's held-out error may rise: no layer need keep its tuning)."""
     import os
 
     site = tmp_path / "site"  # every process of the run, spawned ranks too, takes the small steps
@@ -403,9 +405,13 @@ def test_tuning_on_two_ranks_gives_the_bytes_of_one(fixtures_dir, tmp_path):
     for name, extra in (("one", []), ("two", ["--devices", "cpu,cpu"])):
         outs[name] = tmp_path / name
         p, _ = convert_cli(gptq_args(fixtures_dir, tmp_path, "llama-bf16", outs[name], "--scheme", "w4a16",
-                                     "--group-size", "32", "--tune-iters", "3", "--json", *extra), env, timeout=300)
+                                     "--group-size", "32", "--tune-iters", "3", "--tune-holdout", holdout, "--json",
+                                     *extra), env, timeout=300)
         assert p.returncode == 0, p.stderr[-2000:]
-        assert any(a < b for b, a in json.loads(p.stdout)["calibration"]["tuned_error"])
+        report = json.loads(p.stdout)["calibration"]
+        assert report["gptq"]["tune_holdout"] == int(holdout) and all(report["tuned_error"])
+        if holdout == "0":
+            assert any(a < b for b, a in report["tuned_error"])
     assert shard_bytes(outs["one"]) == shard_bytes(outs["two"])
 
 
