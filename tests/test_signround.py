@@ -48,7 +48,8 @@ def test_a_signed_step_moves_each_offset_by_the_rate_against_its_gradient_and_st
     # straight through the rounding: d weight / d offset is the scale
     assert torch.equal(t.offset.grad, torch.tensor([[1.0, -2.0, 0.0, 1.0]]))
     t.step(1.0)
-    assert torch.allclose(t.offset, torch.tensor([[-signround.LR, signround.LR, 0.0, -signround.LR]]))
+    lr = signround.LR["int4"]
+    assert torch.allclose(t.offset, torch.tensor([[-lr, lr, 0.0, -lr]]))
     assert t.offset.grad is None and t.factor.grad is None
     for _ in range(1000):
         t.weight(torch.float32).sum().backward()
@@ -228,7 +229,7 @@ def test_tuning_lowers_the_layers_error_and_keeps_its_result():
 
 def test_tuning_that_does_not_lower_the_error_leaves_gptqs_codes_and_scales(monkeypatch):
     forward, targets, values, scale = _toy()
-    monkeypatch.setattr(signround, "LR", 0.0)
+    monkeypatch.setattr(signround, "LR", rates(0.0))
     monkeypatch.setattr(signround, "SCALE_LR", 0.0)
     tunables = {"0": Tunable.start(values, scale)}
     before, after = tune.tune_layer(forward, targets, tunables, iters=3, batch=2, dtype=torch.float32, seed=0)
@@ -295,6 +296,11 @@ def test_tuning_that_fits_only_the_tuned_samples_is_judged_on_held_out_ones_and_
 SMALL_STEPS = (0.005, 0.00025)  # (LR, SCALE_LR)
 
 
+def rates(lr: float) -> dict[str, float]:
+    """signround.LR with every grid's offset rate set to `lr`."""
+    return dict.fromkeys(signround.LR, lr)
+
+
 def _layer_errors(report: dict) -> list:
     return report["calibration"]["tuned_error"]
 
@@ -310,7 +316,7 @@ def test_convert_with_tuning_reports_each_layer_and_keeps_gptqs_bytes_where_noth
     opts = dict(scheme="w4a16", group_size=32, method="gptq", calib=str(calib), num_samples=8, seq_len=48,
                 device="cpu")
     # the tiny fixture's GPTQ error is near bf16's own; smaller steps than the default find a drop in it
-    monkeypatch.setattr(signround, "LR", SMALL_STEPS[0])
+    monkeypatch.setattr(signround, "LR", rates(SMALL_STEPS[0]))
     monkeypatch.setattr(signround, "SCALE_LR", SMALL_STEPS[1])
     plain = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "plain", Options(**opts, tune_iters=0), Events())
     tuned = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "tuned", Options(**opts, tune_iters=4), Events())
@@ -320,7 +326,7 @@ def test_convert_with_tuning_reports_each_layer_and_keeps_gptqs_bytes_where_noth
     assert "tuned_error" not in plain.report["calibration"]
     assert shard_bytes(tmp_path / "plain") != shard_bytes(tmp_path / "tuned")
 
-    monkeypatch.setattr(signround, "LR", 0.0)
+    monkeypatch.setattr(signround, "LR", rates(0.0))
     monkeypatch.setattr(signround, "SCALE_LR", 0.0)
     still = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "still", Options(**opts, tune_iters=2), Events())
     assert all(after == before for before, after in _layer_errors(still.report))
@@ -338,8 +344,8 @@ def test_an_mxfp4_tuning_that_starts_from_round_to_nearest_keeps_gptqs_bytes_whe
     opts = dict(scheme="mxfp4a16", method="gptq", calib=str(calib), num_samples=8, seq_len=48, device="cpu")
     src = fixtures_dir / "llama-bf16"
     convert(str(src), tmp_path / "plain", Options(**opts, tune_iters=0), Events())
-    for name in ("LR", "EXP_LR"):
-        monkeypatch.setattr(signround, name, 0.0)
+    monkeypatch.setattr(signround, "LR", rates(0.0))
+    monkeypatch.setattr(signround, "EXP_LR", 0.0)
     still = convert(str(src), tmp_path / "still", Options(**opts, tune_iters=2), Events())
     errors = _layer_errors(still.report)
     assert errors and all(after > before for before, after in errors), errors  # round to nearest's is the higher
@@ -362,7 +368,7 @@ def test_an_fp4_convert_is_tuned_and_keeps_the_layout_the_library_loads(scheme, 
     calib = calibration_samples(tmp_path, 16)
     opts = dict(scheme=scheme, method="gptq", calib=str(calib), num_samples=8, seq_len=48, device="cpu")
     if scheme == "nvfp4a16":
-        monkeypatch.setattr(signround, "LR", SMALL_STEPS[0])
+        monkeypatch.setattr(signround, "LR", rates(SMALL_STEPS[0]))
         monkeypatch.setattr(signround, "SCALE_LR", SMALL_STEPS[1])
     src = fixtures_dir / "llama-bf16"
     convert(str(src), tmp_path / "plain", Options(**opts, tune_iters=0), Events())
@@ -399,7 +405,8 @@ def test_tuning_on_two_ranks_gives_the_bytes_of_one(fixtures_dir, tmp_path, hold
     site = tmp_path / "site"  # every process of the run, spawned ranks too, takes the small steps
     site.mkdir()
     (site / "sitecustomize.py").write_text("import quantize.quant.signround as s\n"
-                                           f"s.LR, s.SCALE_LR = {SMALL_STEPS}\n")
+                                           f"s.LR = dict.fromkeys(s.LR, {SMALL_STEPS[0]})\n"
+                                           f"s.SCALE_LR = {SMALL_STEPS[1]}\n")
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     outs = {}
     for name, extra in (("one", []), ("two", ["--devices", "cpu,cpu"])):
@@ -530,7 +537,7 @@ def test_a_tuned_run_resumed_from_a_layer_checkpoint_gives_the_uninterrupted_byt
     from quantize.engine import stream
     from quantize.engine.layerwise import Calibrated
 
-    monkeypatch.setattr(signround, "LR", SMALL_STEPS[0])
+    monkeypatch.setattr(signround, "LR", rates(SMALL_STEPS[0]))
     monkeypatch.setattr(signround, "SCALE_LR", SMALL_STEPS[1])
     plan, samples = _tuned_plan(fixtures_dir, tmp_path)
     stream.run(plan, tmp_path / "clean", calibrated=Calibrated(plan, samples, torch.device("cpu")))
