@@ -39,10 +39,11 @@ from quantize.quant.rtn import int_range
 # Steps: V moves by LR (scaled by the schedule) per iteration, the scale factor by SCALE_LR. SignRound's default is
 # 1 / iters for both. Measured on the dithered SmolLM2 (W4A16 g64, one draw, 20 iterations, the first target: the
 # float layer on the quantized inputs): LR 0.005 and SCALE_LR 0.00025 gave perplexity 32.54, these 31.82 (GPTQ alone
-# 33.74, auto-round's 50 iterations 31.07). LR is per grid: INT4's was raised to 0.03 at today's 40 steps and
-# per-channel error, measured on the same build (Intel Xeon with AMX, three draws 0 / 1 / 2): 0.01 gave 31.65 on draw
-# 0; 0.02 30.98 / 30.84 / 32.04 (mean 31.29); 0.03 30.71 / 30.88 / 30.28 (30.62); 0.05 30.42 / 30.60 / 32.84
-# (31.29). FP4's rate is unmeasured past 0.02 and stays there.
+# 33.74, auto-round's 50 iterations 31.07). LR is per grid: INT4's was raised to 0.03 at 40 steps under the
+# per-channel error, measured on the same build (Intel Xeon with AMX, torch capability AVX512, draws 0 / 1 / 2): 0.01
+# gave 31.65 on draw 0; 0.02 30.98 / 30.84 / 32.04 (mean 31.29); 0.03 30.71 / 30.88 / 30.28 (30.62); 0.05 30.42 /
+# 30.60 / 32.84 (31.29). Not settled: on dithered Gemma 3 (draw 0) 0.03 gave 79.91 against 0.02's 74.41. FP4's rate
+# is unmeasured past 0.02 and stays there.
 LR = {"int4": 0.03, "nvfp4": 0.02, "mxfp4": 0.02}
 SCALE_LR = 0.002
 SCALE_RANGE = 0.3  # the factor on a group's scale stays in [1 - 0.3, 1 + 0.3]
