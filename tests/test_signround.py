@@ -60,6 +60,32 @@ def test_a_signed_step_moves_each_offset_by_the_rate_against_its_gradient_and_st
     assert torch.equal(t.codes(), torch.tensor([[0, -1, 3, 7]], dtype=torch.int8))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_int4_weight_and_its_gradients_are_the_straight_through_composites_bit_for_bit(dtype):
+    """Tunable.weight on the INT4 grid is one autograd node (signround._Int4Weight, for speed); the weight, the
+    offset's and the factor's gradients are those of the composite it replaces, every bit: clamped values included
+    (their offset gets no gradient), so the tuned codes do not move by an ulp."""
+    gen = torch.Generator().manual_seed(3)
+    values, scale = 4 * torch.randn(48, 256, generator=gen), torch.rand(48, 4, generator=gen) + 0.1
+    t = Tunable.start(values, scale)
+    with torch.no_grad():
+        t.offset.uniform_(-0.5, 0.5, generator=gen)
+        t.factor.uniform_(-0.3, 0.3, generator=gen)
+    grad = torch.randn(48, 256, generator=gen).to(dtype)
+    w = t.weight(dtype)
+    w.backward(grad)
+    offset, factor = t.offset.grad, t.factor.grad
+    t.offset.grad = t.factor.grad = None
+    x = t.values + t.offset
+    q = torch.clamp(x + (torch.round(x) - x).detach(), -8, 7)
+    composite = (q.reshape(48, 4, -1) * (t.scale * (1 + t.factor))[..., None]).reshape(q.shape).to(dtype)
+    composite.backward(grad)
+    assert w.dtype == dtype and torch.equal(w, composite)
+    assert torch.equal(offset, t.offset.grad) and torch.equal(factor, t.factor.grad)
+    clamped = (x.detach().round() < -8) | (x.detach().round() > 7)
+    assert clamped.any() and float(offset[clamped].abs().max()) == 0
+
+
 def _fp4_solved(name: str, seed=0):
     """GPTQ of a random bf16 weight under FP4 scheme `name` (Hessian-searched steps, as the engine's default):
     (scheme, W, X, Params, codes, values)."""
@@ -237,6 +263,26 @@ def test_tuning_that_does_not_lower_the_error_leaves_gptqs_codes_and_scales(monk
     assert float(tunables["0"].offset.abs().max()) == 0 and float(tunables["0"].factor.abs().max()) == 0
 
 
+def test_the_attentions_inputs_are_not_tuned_and_run_quantized_in_every_forward():
+    """q/k/v (and MLA's, an indexer's) keep GPTQ's result: their gradient would cross attention's backward, the
+    tuning's largest cost on a CPU (tune.tuned). The Linears that are not tuned still run quantized: every forward
+    gets their fixed weights, so the error judged is the quantized layer's."""
+    assert [m for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                        "self_attn.q_a_proj", "self_attn.kv_b_proj", "self_attn.indexer.wk", "mlp.gate_proj",
+                        "mlp.up_proj", "mlp.down_proj", "mlp.shared_experts.down_proj") if tune.tuned(m)] == \
+        ["self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.shared_experts.down_proj"]
+    forward, targets, values, scale = _toy()
+    seen = []
+    fixed = torch.zeros(3, 3)
+
+    def spy(samples, weights):
+        seen.append(weights.get("1.weight"))
+        return forward(samples, {k: w for k, w in weights.items() if k == "0.weight"})
+    tune.tune_layer(spy, targets, {"0": Tunable.start(values + 0.4, scale)}, iters=3, batch=2,
+                    dtype=torch.float32, seed=0, fixed={"1": fixed})
+    assert len(seen) > 3 and all(w is fixed for w in seen)
+
+
 def test_a_massive_channel_weighs_in_the_tuning_error_as_much_as_any_other():
     # Gemma 3 keeps one residual channel at ~80% of the stream's energy on every token: under plain squared error the
     # steps served that channel alone (tune.py's docstring: perplexity 84.07 against GPTQ's 70.08)
@@ -301,6 +347,11 @@ def rates(lr: float) -> dict[str, float]:
     return dict.fromkeys(signround.LR, lr)
 
 
+def _tensors(out) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    return {n: t for f in sorted(out.glob("*.safetensors")) for n, t in load_file(f).items()}
+
+
 def _layer_errors(report: dict) -> list:
     return report["calibration"]["tuned_error"]
 
@@ -325,6 +376,13 @@ def test_convert_with_tuning_reports_each_layer_and_keeps_gptqs_bytes_where_noth
     assert any(after < before for before, after in errors), errors
     assert "tuned_error" not in plain.report["calibration"]
     assert shard_bytes(tmp_path / "plain") != shard_bytes(tmp_path / "tuned")
+    # in the first layer (whose inputs the tuning has not moved) the attention's inputs keep GPTQ's codes and
+    # scales (tune.tuned), and what follows attention moved
+    plain_t, tuned_t = _tensors(tmp_path / "plain"), _tensors(tmp_path / "tuned")
+    first = [n for n in plain_t if n.startswith("model.layers.0.") and "weight_packed" in n]
+    qkv = [n for n in first if any(f"self_attn.{p}_proj." in n for p in "qkv")]
+    assert len(qkv) == 3 and all(torch.equal(plain_t[n], tuned_t[n]) for n in qkv)
+    assert any(not torch.equal(plain_t[n], tuned_t[n]) for n in first if n not in qkv)
 
     monkeypatch.setattr(signround, "LR", rates(0.0))
     monkeypatch.setattr(signround, "SCALE_LR", 0.0)

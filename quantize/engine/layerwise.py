@@ -852,13 +852,14 @@ class LayerwiseQuantizer:
     def _tune(self, layer: nn.Module, i: int, solved: dict[str, tuple], targets: dict[str, Entry],
               report: LayerReport) -> dict[str, tuple]:
         """GPTQ's results of layer i's dense Linears tuned on the layer's output: (codes, Params, fallback) each.
-        A Linear whose GPTQ fell back to RTN, or whose groups keep an INT4 source's lattice, stays as solved.
+        The attention's inputs (tuning.tuned), a Linear whose GPTQ fell back to RTN, or whose groups keep an INT4
+        source's lattice, stay as solved, and run quantized in the tuning's forwards.
         The float path of the tuned and held-out samples moves on through the float layer (its outputs are the
         targets)."""
         p = self.recipe.gptq
         mods = dict(layer.named_modules())
         tunables = {m: Tunable.of(self.recipe.scheme, r[3], r[1], mods[m].weight.data) for m, r in solved.items()
-                    if r[3] is not None and not r[2] and targets[m].tensor.encoding != "ct-int4"}
+                    if tuning.tuned(m) and r[3] is not None and not r[2] and targets[m].tensor.encoding != "ct-int4"}
         kept = False
         if tunables:
             samples = tuning.subset(len(self.positions), p.tune_samples + p.tune_holdout)
@@ -866,6 +867,9 @@ class LayerwiseQuantizer:
             with torch.no_grad():  # not inference mode: the targets are saved for the loss's backward
                 for chunk in tuning.chunks(samples, p.tune_batch):
                     float_out |= dict(zip(chunk, self._tuning_forward(layer, i, chunk, None), strict=True))
+            # the Linears that stay as solved run quantized in the tuning's forwards too
+            fixed = {m: codec.dequantize(self.recipe.scheme, solved[m][0], solved[m][1]).to(self.compute)
+                     for m in solved if m not in tunables}
             gptq = None
             if self.recipe.scheme.fp4 in START_FROM_RTN:  # the error to beat is GPTQ's, not the start's
                 gptq = {m: codec.dequantize(self.recipe.scheme, solved[m][0], solved[m][1]).to(self.compute)
@@ -874,7 +878,8 @@ class LayerwiseQuantizer:
                                               p.iters, p.tune_batch, self.compute,
                                               seed=self.recipe.calibration.seed * 100003 + i, gptq=gptq,
                                               held=tuning.split(samples, p.tune_holdout)[1],
-                                              per_channel=self.recipe.scheme.fp4 not in tuning.PLAIN_ERROR)
+                                              per_channel=self.recipe.scheme.fp4 not in tuning.PLAIN_ERROR,
+                                              fixed=fixed)
             report.tuned = [before, after]
             kept = after < before
             self.float_path = {s: self._kept(y) for s, y in float_out.items()}
