@@ -867,13 +867,14 @@ class LayerwiseQuantizer:
             with torch.no_grad():  # not inference mode: the targets are saved for the loss's backward
                 for chunk in tuning.chunks(samples, p.tune_batch):
                     float_out |= dict(zip(chunk, self._tuning_forward(layer, i, chunk, None), strict=True))
+            def dequantized(names) -> dict[str, torch.Tensor]:
+                return {m: codec.dequantize(self.recipe.scheme, solved[m][0], solved[m][1]).to(self.compute)
+                        for m in names}
+
             # the Linears that stay as solved run quantized in the tuning's forwards too
-            fixed = {m: codec.dequantize(self.recipe.scheme, solved[m][0], solved[m][1]).to(self.compute)
-                     for m in solved if m not in tunables}
-            gptq = None
-            if self.recipe.scheme.fp4 in START_FROM_RTN:  # the error to beat is GPTQ's, not the start's
-                gptq = {m: codec.dequantize(self.recipe.scheme, solved[m][0], solved[m][1]).to(self.compute)
-                        for m in tunables}
+            fixed = dequantized(m for m in solved if m not in tunables)
+            # the error to beat is GPTQ's, not the start's
+            gptq = dequantized(tunables) if self.recipe.scheme.fp4 in START_FROM_RTN else None
             before, after = tuning.tune_layer(partial(self._tuning_forward, layer, i), float_out, tunables,
                                               p.iters, p.tune_batch, self.compute,
                                               seed=self.recipe.calibration.seed * 100003 + i, gptq=gptq,

@@ -49,6 +49,7 @@ from quantize.quant.signround import Tunable
 # 72.58). Not understood: MXFP4's steps start from round to nearest and move each group's power of two
 PLAIN_ERROR = ("mxfp4",)
 
+
 def tuned(module: str) -> bool:
     """Whether a Linear of a dense layer (its name in the layer, e.g. "self_attn.q_proj") is tuned: all but the
     attention's inputs (q/k/v, MLA's q_a/q_b/kv_a/kv_b, an indexer's), which keep GPTQ's codes and scales.
