@@ -1,5 +1,5 @@
-"""A decoder layer's dense Linears (all but the attention's inputs: `tuned`) tuned on the layer's output after GPTQ
-(quant/signround.py), on rank 0.
+"""A decoder layer's dense Linears (on INT4 all but the attention's inputs: `tuned`) tuned on the layer's output
+after GPTQ (quant/signround.py), on rank 0.
 
 GPTQ has chosen every code against its Linear's own inputs; the tuning moves the codes near a rounding boundary
 and the groups' scales so that the whole layer's output, through attention and the MLP's gate, comes closer to the
@@ -59,17 +59,20 @@ from quantize.quant.signround import Tunable
 PLAIN_ERROR = ("mxfp4",)
 
 
-def tuned(module: str) -> bool:
-    """Whether a Linear of a dense layer (its name in the layer, e.g. "self_attn.q_proj") is tuned: all but the
-    attention's inputs (q/k/v, MLA's q_a/q_b/kv_a/kv_b, an indexer's), which keep GPTQ's codes and scales.
+def tuned(module: str, grid: str = "int4") -> bool:
+    """Whether a Linear of a dense layer (its name in the layer, e.g. "self_attn.q_proj") is tuned on `grid`
+    ("int4", "nvfp4", "mxfp4"). On INT4, all but the attention's inputs (q/k/v, MLA's q_a/q_b/kv_a/kv_b, an
+    indexer's), which keep GPTQ's codes and scales; on the FP4 grids, all of them.
 
     Their gradient would have to cross attention's backward, and on a CPU that is the tuning's largest cost: in a
     SmolLM2 step (4 x 512 tokens, bf16, Intel Xeon with AMX) the flash-attention backward took 22 ms against its
     forward's 4, and the whole backward 3x the forward. Measured on the dithered SmolLM2 (W4A16 g64, 40 steps, draws
     0 / 1 / 2 / 3): the converts, two side by side, took 14-16% less time, and the perplexity moved within the
     draws' spread: 31.09 / 30.66 / 31.72 / 31.32 against 30.98 / 30.84 / 32.04 / 30.51 with q/k/v tuned (mean
-    31.20 against 31.09, paired +0.11 +- 0.25)."""
-    return not module.startswith("self_attn.") or module.endswith("o_proj")
+    31.20 against 31.09, paired +0.11 +- 0.25); that time is what brought INT4 under auto-round light's (1.07x to
+    0.86x). On NVFP4 leaving them out cost 0.22 and 0.35 (draws 0 / 2: 30.17 / 31.07 against 29.95 / 30.72), and
+    there the time is not short (auto-round's `nv_fp` takes over twice ours), so the FP4 grids tune them."""
+    return grid != "int4" or not module.startswith("self_attn.") or module.endswith("o_proj")
 
 
 # forward(samples, weights): the layer's output for each of `samples` (a list of [1, tokens, hidden]), its modules'
