@@ -868,6 +868,7 @@ class LayerwiseQuantizer:
             with torch.no_grad():  # not inference mode: the targets are saved for the loss's backward
                 for chunk in tuning.chunks(samples, p.tune_batch):
                     float_out |= dict(zip(chunk, self._tuning_forward(layer, i, chunk, None), strict=True))
+
             def dequantized(names) -> dict[str, torch.Tensor]:
                 return {m: codec.dequantize(self.recipe.scheme, solved[m][0], solved[m][1]).to(self.compute)
                         for m in names}
