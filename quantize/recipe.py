@@ -26,6 +26,13 @@ KV_CACHE = ("fp8",)
 # GPTQ alone 33.74 held-out perplexity in 353 s; then 20 steps towards the float model's path 30.79 in 519 s, 40
 # steps 30.36 in 598 s, where auto-round 0.16.1's light preset (50 iterations) gives 31.07 in 837 s (README)
 TUNE_ITERS = 40
+# the samples each grid tunes on where a recipe does not say (tune_samples). NVFP4 takes 128 (all of the bench's
+# 128 x 512 tokens): on the dithered SmolLM2 (NVFP4A16, draw 3; Intel Xeon with AMX, torch capability AVX512) 128 gave
+# 30.00 against 32's 30.73 with the offset in e2m1's spacing, and 29.55 against 30.26 in units of 1
+# (quant/signround.py), for 22% more time (714 s against 584, two converts side by side). INT4 keeps 32 for its
+# time, where its bar is auto-round light's (128 measured 31.01 against 31.09 on draw 0); MXFP4 for its perplexity
+# (128 measured 32.64 / 31.81 against 31.41 / 31.41 on draws 0 / 1)
+TUNE_SAMPLES = {"int4": 32, "nvfp4": 128, "mxfp4": 32}
 
 
 @dataclass(frozen=True)
@@ -42,9 +49,10 @@ class GPTQParams:
     dampening: str = "tokens"
     # after GPTQ, each dense decoder layer's Linears tuned on the layer's output (engine/tune.py): tune_iters signed
     # steps (0: none), each over tune_batch of the tune_samples samples spread over the calibration set. Unset, it
-    # is TUNE_ITERS under hessian scales and 0 under minmax, which stays llm-compressor's bytes (`iters`)
+    # is TUNE_ITERS under hessian scales and 0 under minmax, which stays llm-compressor's bytes (`iters`); unset,
+    # tune_samples is the grid's TUNE_SAMPLES (`samples`)
     tune_iters: int | None = None
-    tune_samples: int = 32
+    tune_samples: int | None = None
     # samples held out of the tuning, spread over the set between the tuned ones: a layer keeps its tuning only if
     # its output error over these drops; 0: judged on the tuned samples themselves (engine/tune.py: measured, 32
     # helps Gemma 3 and costs SmolLM2)
@@ -57,6 +65,11 @@ class GPTQParams:
         if self.tune_iters is not None:
             return self.tune_iters
         return TUNE_ITERS if self.scales == "hessian" else 0
+
+    def samples(self, grid: str) -> int:
+        """The samples tuned on for `grid` ("int4", "nvfp4", "mxfp4"): tune_samples where it is set, else the
+        grid's default."""
+        return self.tune_samples if self.tune_samples is not None else TUNE_SAMPLES[grid]
 
 
 @dataclass(frozen=True)
@@ -346,9 +359,9 @@ def from_dict(raw: object, where: str) -> Recipe:
         raise UsageError(f"{where}: gptq needs 0 <= dampening_frac < 1, block_size >= 1, actorder static or null")
     iters = gptq.tune_iters
     if (iters is not None and (not isinstance(iters, int) or isinstance(iters, bool) or iters < 0)
-            or gptq.tune_samples < 1 or gptq.tune_batch < 1 or gptq.tune_holdout < 0):
+            or gptq.tune_samples is not None and gptq.tune_samples < 1 or gptq.tune_batch < 1 or gptq.tune_holdout < 0):
         raise UsageError(f"{where}: gptq needs tune_iters >= 0 (or unset: {TUNE_ITERS} under hessian scales, 0 under "
-                         "minmax), tune_samples >= 1, tune_holdout >= 0 and tune_batch >= 1")
+                         "minmax), tune_samples >= 1 (or unset), tune_holdout >= 0 and tune_batch >= 1")
     if gptq.scales not in SCALE_RULES or gptq.dampening not in DAMPING_RULES:
         raise UsageError(f"{where}: gptq scales must be one of {', '.join(SCALE_RULES)}, dampening one of "
                          f"{', '.join(DAMPING_RULES)}")

@@ -122,8 +122,8 @@ def test_a_fresh_fp4_tunable_is_gptqs_bytes_exactly(name):
     assert torch.equal(t.weight(torch.float32), codec.dequantize(s, codes, p).float())
 
 
-def test_an_fp4_offset_counts_in_the_grids_spacing():
-    """e2m1's spacing is 0.5 below 2, 1 below 4 and 2 up to 6: an offset of +-0.5 moves a value by a quarter,
+def test_an_mxfp4_offset_counts_in_the_grids_spacing():
+    """e2m1's spacing is 0.5 below 2, 1 below 4 and 2 up to 6: MXFP4's offset of +-0.5 moves a value by a quarter,
     a half or one unit, so each reaches its neighbours' rounding boundaries wherever it lies."""
     t = Tunable.start(torch.tensor([[0.3, 2.6, 4.6, -4.6]]), torch.ones(1, 1), grid="mxfp4")
     value = lambda: fp4.VALUES[t.codes().long()][0].tolist()  # noqa: E731
@@ -134,6 +134,23 @@ def test_an_fp4_offset_counts_in_the_grids_spacing():
     with torch.no_grad():
         t.offset.fill_(-0.5)
     assert value() == [0.0, 2.0, 4.0, -6.0]  # 0.05, 2.1, 3.6, -5.6
+
+
+def test_an_nvfp4_offset_counts_in_units_of_one():
+    """NVFP4's offset is auto-round's, in units of 1 (quant/signround.py: SPACING_OFFSET): +-0.5 takes a value
+    below 2 a whole code away (0.3 to 1.0 where MXFP4's spacing stops it at 0.5), and between 4 and 6 moves only
+    what lies within 0.5 of the boundary at 5."""
+    t = Tunable.start(torch.tensor([[0.3, 2.6, 4.6, -4.6]]), torch.ones(1, 1), grid="nvfp4", gscale=torch.tensor(1.0))
+    value = lambda: fp4.VALUES[t.codes().long()][0].tolist()  # noqa: E731
+    assert value() == [0.5, 3.0, 4.0, -4.0]
+    with torch.no_grad():
+        t.offset.fill_(0.5)
+    assert value() == [1.0, 3.0, 6.0, -4.0]  # 0.8, 3.1, 5.1, -4.1
+    with torch.no_grad():
+        t.offset.fill_(-0.5)
+    assert value() == [0.0, 2.0, 4.0, -6.0]  # -0.2, 2.1, 4.1, -5.1
+    # the differentiable weight rounds the same values
+    assert t.weight(torch.float32)[0].tolist() == [0.0, 2.0, 4.0, -6.0]
 
 
 def test_an_mxfp4_exponent_shift_halves_or_doubles_the_step_and_rounds_the_values_again():
@@ -494,6 +511,21 @@ def test_a_negative_tune_iters_is_refused_as_a_recipe_would_be(tmp_path):
     with pytest.raises(UsageError, match="tune_holdout >= 0"):
         recipe.from_dict({"method": "gptq", "scheme": {"num_bits": 4, "group_size": 32},
                           "gptq": {"tune_holdout": -1}, "calibration": {"data": "x.jsonl"}}, "r.yaml")
+    with pytest.raises(UsageError, match="tune_samples >= 1"):
+        recipe.from_dict({"method": "gptq", "scheme": {"num_bits": 4, "group_size": 32},
+                          "gptq": {"tune_samples": 0}, "calibration": {"data": "x.jsonl"}}, "r.yaml")
+
+
+def test_nvfp4_tunes_on_more_samples_than_int4_unless_the_recipe_says():
+    """The tuned samples are per grid where a recipe leaves them out (recipe.TUNE_SAMPLES: NVFP4 measured better on
+    128), and a recipe's own count holds on every grid."""
+    from quantize import recipe
+
+    assert [recipe.preset(s, 64, "gptq").gptq.samples(g) for s, g in
+            [("w4a16", "int4"), ("nvfp4a16", "nvfp4"), ("mxfp4a16", "mxfp4")]] == [32, 128, 32]
+    r = recipe.from_dict({"method": "gptq", "scheme": {"num_bits": 4, "group_size": 32},
+                          "gptq": {"tune_samples": 16}, "calibration": {"data": "x.jsonl"}}, "r.yaml")
+    assert r.gptq.samples("nvfp4") == r.gptq.samples("int4") == 16
 
 
 def test_tuning_is_the_default_under_hessian_scales_and_off_under_minmax_unless_asked():

@@ -67,7 +67,8 @@ def _layers(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[memory
     tc = plan.model.text_config
     dsa, carry = plan.model.arch.dsa, plan.model.arch.carries_topk  # score top-k per head; GLM-5 carries it (int64)
     g = plan.recipe.gptq
-    tune = (g.tune_batch, g.tune_samples + g.tune_holdout) if plan.recipe.method == "gptq" and tunes(plan.recipe) else (0, 0)
+    tuned = min(g.samples(plan.recipe.scheme.fp4 or "int4") + g.tune_holdout, plan.recipe.calibration.num_samples)
+    tune = (g.tune_batch, tuned) if plan.recipe.method == "gptq" and tunes(plan.recipe) else (0, 0)
     return memory.layers_of(plan.entries, dtype.itemsize, stack_of, gptq_, carry=8 * (tc.get("index_topk") or 0) * carry,
                             index_heads=(tc.get("index_n_heads") or 0) * dsa, tune=tune)
 
@@ -863,7 +864,7 @@ class LayerwiseQuantizer:
                     if tuning.tuned(m, grid) and r[3] is not None and not r[2] and targets[m].tensor.encoding != "ct-int4"}
         kept = False
         if tunables:
-            samples = tuning.subset(len(self.positions), p.tune_samples + p.tune_holdout)
+            samples = tuning.subset(len(self.positions), p.samples(grid) + p.tune_holdout)
             float_out: dict[int, torch.Tensor] = {}
             with torch.no_grad():  # not inference mode: the targets are saved for the loss's backward
                 for chunk in tuning.chunks(samples, p.tune_batch):

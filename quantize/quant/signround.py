@@ -16,10 +16,13 @@ search chose it by weight error alone (auto-round tunes the same exponent, as fl
 the rounding residual of each value (its clipped ones pushing the step up), as a learned step size's is. From
 GPTQ's start, on the dithered SmolLM2 (draw 0), tuning the exponent took MXFP4 from perplexity 33.00 to 32.74.
 
-e2m1 is no uniform grid: its spacing is 0.5 below 2, 1 below 4 and 2 up to 6. The offset is counted in the
-spacing where the value lies, so V = +-0.5 reaches the next rounding boundary anywhere on the grid (auto-round adds
-it in units of 1: a whole step below 2, where every code may move, but a quarter of one between 4 and 6, where only
-values within 0.5 of the boundary at 5 can).
+e2m1 is no uniform grid: its spacing is 0.5 below 2, 1 below 4 and 2 up to 6. NVFP4 adds the offset in units of 1,
+as auto-round does: below 2 V = +-0.5 reaches a whole code away, between 4 and 6 only values within 0.5 of the
+boundary at 5 can move. MXFP4 counts it in the spacing where each value lies (SPACING_OFFSET), so that V = +-0.5
+reaches the next rounding boundary anywhere on the grid. On NVFP4 units of 1 were measured the better (dithered
+SmolLM2, draw 3: 30.26 against 30.73 over 32 tuned samples, 29.55 against 30.00 over 128): most of a group's
+values lie below 2 under a scale set by its largest, and there the steps may move them twice as far. MXFP4's is
+not measured in units of 1.
 
 MXFP4 starts from round to nearest under the searched exponents instead (START_FROM_RTN), as auto-round does: on
 the dithered SmolLM2 (draw 0, 40 steps) GPTQ's values tuned gave perplexity 32.74 and round to nearest's 31.63,
@@ -47,6 +50,8 @@ from quantize.quant.rtn import int_range
 # 79.91 / 77.76, and 0.03 over 64 tuned samples 81.74 / 73.63: larger steps fit Gemma's tuned samples more
 # (engine/tune.py) and cost 5 points on both draws, so the rate that holds on both stays.
 LR = {"int4": 0.02, "nvfp4": 0.02, "mxfp4": 0.02}
+# SCALE_LR 0.01 on NVFP4, nearer auto-round's minmax rate (1 / iters, linearly decayed), cost 0.02 and 0.69 (dithered
+# SmolLM2 draws 2 / 3, 32 samples, offsets in the spacing: 30.74 / 31.42 against 30.72 / 30.73)
 SCALE_LR = 0.002
 SCALE_RANGE = 0.3  # the factor on a group's scale stays in [1 - 0.3, 1 + 0.3]
 # MXFP4's exponent shift moves by EXP_LR a step (times the schedule) in [-1, 1]: a run of 5 steps of one sign at
@@ -59,6 +64,8 @@ EXP_LR = 0.05
 # groups' errors, and the updates GPTQ carries along a row from them, are larger than NVFP4's, and GPTQ's values sit
 # where half a spacing of offset does not reach what the layer's output wants
 START_FROM_RTN = ("mxfp4",)
+# grids whose offset is counted in e2m1's spacing where each value lies, not in units of 1 (the module's docstring)
+SPACING_OFFSET = ("mxfp4",)
 
 E4M3_MAX = 448.0
 E4M3_TINY = 2.0 ** -9  # e4m3's least positive value: a group's scale, once nonzero, never tunes to 0
@@ -108,15 +115,18 @@ class Tunable:
         return torch.exp2(factor + (torch.round(factor) - factor).detach())
 
     def _moved(self, offset: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-        """The values moved by `offset`, before rounding; on e2m1, in units of the grid's spacing where each
-        value lies, and clamped to its range +-6; MXFP4's first divided by their group's 2 ** shift."""
+        """The values moved by `offset`, before rounding; on e2m1 clamped to its range +-6, on the grids of
+        SPACING_OFFSET in units of the grid's spacing where each value lies, MXFP4's first divided by their group's
+        2 ** shift."""
         if self.grid == "int4":
             return self.values + offset
         x = self.values
         if self.grid == "mxfp4":
             out, groups = self.scale.shape
             x = (x.reshape(out, groups, -1) / self._shift(factor)[..., None]).reshape(x.shape)
-        return torch.clamp(x + offset * fp4.spacing(x.detach()), -6.0, 6.0)
+        if self.grid in SPACING_OFFSET:
+            offset = offset * fp4.spacing(x.detach())
+        return torch.clamp(x + offset, -6.0, 6.0)
 
     def codes(self) -> torch.Tensor:
         """int8 [out, in]: INT4's round(values + offset), clamped to the scheme's range; or FP4's 4-bit codes."""
