@@ -338,7 +338,7 @@ def _result(plan, result, r, calibrated, dev: str) -> Result:
             "scales": {"gptq": r.gptq.scales, "rtn": "inputs-x2", "awq": "awq"}[r.method],
             **({"gptq": {"scales": r.gptq.scales, "dampening": r.gptq.dampening,
                          "dampening_frac": r.gptq.dampening_frac, "tune_iters": r.gptq.iters,
-                         "tune_samples": r.gptq.samples(r.scheme.fp4 or "int4"), "tune_holdout": r.gptq.tune_holdout}}
+                         "tune_samples": r.gptq.samples(r.scheme.grid), "tune_holdout": r.gptq.tune_holdout}}
                if r.method == "gptq" else {}),
             "memory": {"device": account.device, "layer": account.layer, "bytes": account.total, "free": account.free,
                        "parts": account.parts, "peak": _device_peak(dev)},

@@ -135,6 +135,11 @@ class Scheme:
         return f"{self.fp4}-pack-quantized" if self.fp4 else "pack-quantized"
 
     @property
+    def grid(self) -> str:
+        """The 4-bit grid the tuning after GPTQ works on (quant/signround.py): "nvfp4", "mxfp4", else "int4"."""
+        return self.fp4 or "int4"
+
+    @property
     def label(self) -> str:
         if self.fp8_block:
             return "fp8 block {}x{}".format(*self.block_structure)

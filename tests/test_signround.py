@@ -122,34 +122,25 @@ def test_a_fresh_fp4_tunable_is_gptqs_bytes_exactly(name):
     assert torch.equal(t.weight(torch.float32), codec.dequantize(s, codes, p).float())
 
 
-def test_an_mxfp4_offset_counts_in_the_grids_spacing():
-    """e2m1's spacing is 0.5 below 2, 1 below 4 and 2 up to 6: MXFP4's offset of +-0.5 moves a value by a quarter,
-    a half or one unit, so each reaches its neighbours' rounding boundaries wherever it lies."""
-    t = Tunable.start(torch.tensor([[0.3, 2.6, 4.6, -4.6]]), torch.ones(1, 1), grid="mxfp4")
+@pytest.mark.parametrize("grid,gscale,up", [("mxfp4", None, [0.5, 3.0, 6.0, -4.0]),  # 0.55, 3.1, 5.6, -3.6
+                                             ("nvfp4", 1.0, [1.0, 3.0, 6.0, -4.0])])  # 0.8, 3.1, 5.1, -4.1
+def test_an_fp4_offset_counts_in_its_grids_units(grid, gscale, up):
+    """e2m1's spacing is 0.5 below 2, 1 below 4 and 2 up to 6. MXFP4's offset of +-0.5 moves a value by a quarter,
+    a half or one unit, so each reaches its neighbours' rounding boundaries wherever it lies. NVFP4's is
+    auto-round's, in units of 1 (quant/signround.py: SPACING_OFFSET): +-0.5 takes a value below 2 a whole code away
+    (0.3 to 1.0 where MXFP4's spacing stops it at 0.5), and between 4 and 6 moves only what lies within 0.5 of the
+    boundary at 5. The differentiable weight rounds the same values."""
+    t = Tunable.start(torch.tensor([[0.3, 2.6, 4.6, -4.6]]), torch.ones(1, 1), grid=grid,
+                      gscale=None if gscale is None else torch.tensor(gscale))
     value = lambda: fp4.VALUES[t.codes().long()][0].tolist()  # noqa: E731
     assert value() == [0.5, 3.0, 4.0, -4.0]
     with torch.no_grad():
         t.offset.fill_(0.5)
-    assert value() == [0.5, 3.0, 6.0, -4.0]  # 0.55, 3.1, 5.6, -3.6
+    assert value() == up
     with torch.no_grad():
         t.offset.fill_(-0.5)
-    assert value() == [0.0, 2.0, 4.0, -6.0]  # 0.05, 2.1, 3.6, -5.6
-
-
-def test_an_nvfp4_offset_counts_in_units_of_one():
-    """NVFP4's offset is auto-round's, in units of 1 (quant/signround.py: SPACING_OFFSET): +-0.5 takes a value
-    below 2 a whole code away (0.3 to 1.0 where MXFP4's spacing stops it at 0.5), and between 4 and 6 moves only
-    what lies within 0.5 of the boundary at 5."""
-    t = Tunable.start(torch.tensor([[0.3, 2.6, 4.6, -4.6]]), torch.ones(1, 1), grid="nvfp4", gscale=torch.tensor(1.0))
-    value = lambda: fp4.VALUES[t.codes().long()][0].tolist()  # noqa: E731
-    assert value() == [0.5, 3.0, 4.0, -4.0]
-    with torch.no_grad():
-        t.offset.fill_(0.5)
-    assert value() == [1.0, 3.0, 6.0, -4.0]  # 0.8, 3.1, 5.1, -4.1
-    with torch.no_grad():
-        t.offset.fill_(-0.5)
-    assert value() == [0.0, 2.0, 4.0, -6.0]  # -0.2, 2.1, 4.1, -5.1
-    # the differentiable weight rounds the same values
+    # MXFP4: 0.05, 2.1, 3.6, -5.6; NVFP4: -0.2, 2.1, 4.1, -5.1
+    assert value() == [0.0, 2.0, 4.0, -6.0]
     assert t.weight(torch.float32)[0].tolist() == [0.0, 2.0, 4.0, -6.0]
 
 

@@ -67,7 +67,7 @@ def _layers(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[memory
     tc = plan.model.text_config
     dsa, carry = plan.model.arch.dsa, plan.model.arch.carries_topk  # score top-k per head; GLM-5 carries it (int64)
     g = plan.recipe.gptq
-    tuned = min(g.samples(plan.recipe.scheme.fp4 or "int4") + g.tune_holdout, plan.recipe.calibration.num_samples)
+    tuned = min(g.samples(plan.recipe.scheme.grid) + g.tune_holdout, plan.recipe.calibration.num_samples)
     tune = (g.tune_batch, tuned) if plan.recipe.method == "gptq" and tunes(plan.recipe) else (0, 0)
     return memory.layers_of(plan.entries, dtype.itemsize, stack_of, gptq_, carry=8 * (tc.get("index_topk") or 0) * carry,
                             index_heads=(tc.get("index_n_heads") or 0) * dsa, tune=tune)
@@ -859,7 +859,7 @@ class LayerwiseQuantizer:
         targets)."""
         p = self.recipe.gptq
         mods = dict(layer.named_modules())
-        grid = self.recipe.scheme.fp4 or "int4"
+        grid = self.recipe.scheme.grid
         tunables = {m: Tunable.of(self.recipe.scheme, r[3], r[1], mods[m].weight.data) for m, r in solved.items()
                     if tuning.tuned(m, grid) and r[3] is not None and not r[2] and targets[m].tensor.encoding != "ct-int4"}
         kept = False

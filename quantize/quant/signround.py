@@ -106,7 +106,7 @@ class Tunable:
         step = params.step.float()
         if w is not None and scheme.fp4 in START_FROM_RTN:
             values = (w.float().unflatten(-1, (step.shape[1], -1)) / step[..., None]).flatten(-2)
-        return cls.start(values, step, scheme.num_bits, scheme.fp4 or "int4")
+        return cls.start(values, step, scheme.num_bits, scheme.grid)
 
     @staticmethod
     def _shift(factor: torch.Tensor) -> torch.Tensor:
