@@ -30,7 +30,8 @@ TUNE_ITERS = 40
 # 128 x 512 tokens): on the dithered SmolLM2 (NVFP4A16, draw 3; Intel Xeon with AMX, torch capability AVX512) 128 gave
 # 30.00 against 32's 30.73 with the offset in e2m1's spacing, and 29.55 against 30.26 in units of 1
 # (quant/signround.py), for 22% more time (714 s against 584, two converts side by side). INT4 keeps 32 for its
-# time, where its bar is auto-round light's (128 measured 31.01 against 31.09 on draw 0); MXFP4 for its perplexity
+# time, where its bar is auto-round light's (128 measured 31.01 / 30.75 / 31.58 against 31.09 / 31.72 / 31.32
+# on draws 0 / 2 / 3); MXFP4 for its perplexity
 # (128 measured 32.64 / 31.81 against 31.41 / 31.41 on draws 0 / 1)
 TUNE_SAMPLES = {"int4": 32, "nvfp4": 128, "mxfp4": 32}
 
