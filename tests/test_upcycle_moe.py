@@ -20,10 +20,15 @@ def test_the_upcycled_moe_computes_the_dense_models_function(fixtures_dir, tmp_p
     dense_cfg = json.loads((src / "config.json").read_text())
     assert cfg["model_type"] == "mixtral" and cfg["num_local_experts"] == cfg["num_experts_per_tok"] == 4
     assert cfg["intermediate_size"] * 4 == dense_cfg["intermediate_size"]
-    with safe_open(dst / "model.safetensors", "pt") as f:
-        names = set(f.keys())
-        assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in names
-        assert not any(".mlp." in n for n in names)
+    assert not (tmp_path / "moe.partial").exists()  # written under a temporary name, renamed once whole
+    with pytest.raises(SystemExit, match="exists"):  # and never over what is there
+        upcycle_moe.upcycle(src, dst, experts=4)
+    names = set()
+    for shard in dst.glob("*.safetensors"):  # one per source shard, under its name
+        with safe_open(shard, "pt") as f:
+            names |= set(f.keys())
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in names
+    assert not any(".mlp." in n for n in names)
     dense = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     moe = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32)
     ids = torch.tensor([[1, 17, 230, 5, 99, 3, 41, 8]])
