@@ -132,8 +132,8 @@ def test_nccl_communicators_are_counted_in_the_account():
 def test_the_tuning_after_gptq_is_counted_for_kimis_dense_layer_and_fits_an_h200():
     """engine/tune.py tunes the dense layers (Kimi K2 has one: hidden 7168, MLP 18432, MLA) on rank 0 when they are
     quantized (every Linear INT4; Moonshot's recipe keeps them BF16): float32 values, offsets and their gradients
-    for each weight, and a step's forward kept for its backward. The MoE layers are not tuned and count nothing
-    for it."""
+    for each weight, a step's forward kept for its backward, and the tuned samples' targets and attention contexts.
+    The MoE layers are not tuned and count nothing for it."""
     ls, hidden = layers("kimi-k2-instruct-config.json", "dense-w4a16", tune=(4, 32))
     dense = [x for x in ls if not x.moe]
     assert [x.index for x in dense] == [0] and all(x.tune == (0, 0) for x in ls if x.moe)
@@ -141,7 +141,7 @@ def test_the_tuning_after_gptq_is_counted_for_kimis_dense_layer_and_fits_an_h200
     weights = dense[0].weights // 2
     assert weights > 450e6  # its MLA attention and its dense MLP
     assert parts["tuning"] > weights * memory.TUNE_BYTES_PER_WEIGHT
-    assert 12 * memory.GIB < parts["tuning"] < 20 * memory.GIB
+    assert 12 * memory.GIB < parts["tuning"] < 24 * memory.GIB
     a = memory.account(ls, TOKENS, SEQ, hidden, 2, "cpu", "cuda:0", H200, memory.GIB // 4)
     assert memory.fits(a) and a.total < H200 // 2  # the expert stacks of a MoE layer still weigh more
     untuned, _ = layers("kimi-k2-instruct-config.json", "dense-w4a16")

@@ -403,6 +403,70 @@ def test_convert_with_tuning_reports_each_layer_and_keeps_gptqs_bytes_where_noth
     assert shard_bytes(tmp_path / "still") == shard_bytes(tmp_path / "plain")
 
 
+def test_the_tuning_runs_attention_once_per_sample_where_its_inputs_are_fixed_and_gives_the_same_bytes(
+        fixtures_dir, tmp_path, monkeypatch):
+    """INT4 leaves attention's inputs as solved, so o_proj's input is the same in every step: the tuning records it
+    on each sample's first quantized forward and then skips attention (engine/attention_cache.py). The bytes are
+    those of a run that recomputes attention in every forward, and attention runs far less often."""
+    from transformers.models.llama import modeling_llama
+
+    from quantize.convert import Events, Options, convert
+    from quantize.engine import layerwise
+
+    calib = calibration_samples(tmp_path, 16)
+    opts = dict(scheme="w4a16", group_size=32, method="gptq", calib=str(calib), num_samples=8, seq_len=48,
+                device="cpu", tune_iters=4)
+    monkeypatch.setattr(signround, "LR", rates(SMALL_STEPS[0]))
+    monkeypatch.setattr(signround, "SCALE_LR", SMALL_STEPS[1])
+    calls = []
+    real = modeling_llama.LlamaAttention.forward
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    cached = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "cached", Options(**opts), Events())
+    with_cache = len(calls)
+    calls.clear()
+    monkeypatch.setattr(layerwise.AttentionCache, "of", classmethod(lambda cls, layer, tuned: None))
+    every = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "every", Options(**opts), Events())
+    assert any(after < before for before, after in _layer_errors(cached.report))  # the steps moved something
+    assert _layer_errors(cached.report) == _layer_errors(every.report)
+    assert shard_bytes(tmp_path / "cached") == shard_bytes(tmp_path / "every")
+    # per layer all 8 samples are tuned, 4 to a forward: the error before the steps records them (2 forwards), and
+    # the 4 steps and the error after (2 forwards) skip attention; the float targets' forwards (2) run it
+    layers = cached.report["calibration"]["layers"]
+    assert len(calls) - with_cache == layers * (4 + 2), (len(calls), with_cache)
+
+
+def test_the_attention_cache_is_off_where_attentions_inputs_are_tuned_and_recomputes_under_other_weights():
+    """FP4 tunes q/k/v (tune.tuned): their output moves each step, so no cache. A forward under other attention
+    weights than those a context was recorded under (the float weights, say) records anew instead of serving it."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from quantize.engine.attention_cache import AttentionCache
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=8)
+    torch.manual_seed(0)
+    layer = LlamaDecoderLayer(cfg, 0).requires_grad_(False)
+    assert AttentionCache.of(layer, ["self_attn.o_proj", "self_attn.q_proj", "mlp.up_proj"]) is None
+    cache = AttentionCache.of(layer, ["self_attn.o_proj", "mlp.up_proj"])
+    x = torch.randn(2, 5, 32)
+    pos = torch.arange(5)[None]
+    args = dict(attention_mask=None, position_ids=pos, position_embeddings=LlamaRotaryEmbedding(cfg)(x, pos))
+    q = {"self_attn.q_proj.weight": layer.self_attn.q_proj.weight * 0.5}
+    o = {"self_attn.o_proj.weight": layer.self_attn.o_proj.weight * 2}
+
+    def run(weights):
+        with cache.serving([7, 9], weights):
+            return torch.func.functional_call(layer, weights, (x,), args, strict=False)
+
+    under_q = run(q)
+    assert torch.equal(run(q | o), torch.func.functional_call(layer, q | o, (x,), args, strict=False))
+    layer.self_attn.q_proj.weight.mul_(0)  # a served forward does not touch q/k/v
+    assert torch.equal(run(q), under_q)
+    assert not torch.equal(run({}), under_q)  # the float weights' own (now q = 0): recorded anew
+
+
 def test_an_mxfp4_tuning_that_starts_from_round_to_nearest_keeps_gptqs_bytes_where_it_loses(fixtures_dir, tmp_path,
                                                                                            monkeypatch):
     """MXFP4's tuning starts from round to nearest (signround.START_FROM_RTN), but the error it must beat is GPTQ's:

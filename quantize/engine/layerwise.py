@@ -33,6 +33,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -46,6 +47,7 @@ from quantize.engine import agreement, devices, distributed, memory, writers
 from quantize.engine import experts as routed
 from quantize.engine import tune as tuning
 from quantize.engine.activations import ActivationStore, TokenBuffer, release_freed_memory
+from quantize.engine.attention_cache import AttentionCache
 from quantize.engine.awq_experts import AWQExperts
 from quantize.engine.awq_layer import awq_layer, takes_topk
 from quantize.engine.hessians import Hessians
@@ -878,7 +880,9 @@ class LayerwiseQuantizer:
             fixed = dequantized(m for m in solved if m not in tunables)
             # the error to beat is GPTQ's, not the start's
             gptq = dequantized(tunables) if self.recipe.scheme.fp4 in START_FROM_RTN else None
-            before, after = tuning.tune_layer(partial(self._tuning_forward, layer, i), float_out, tunables,
+            # attention's inputs fixed (INT4): its context is kept from each sample's first quantized forward
+            cache = AttentionCache.of(layer, list(tunables))
+            before, after = tuning.tune_layer(partial(self._tuning_forward, layer, i, cache=cache), float_out, tunables,
                                               p.iters, p.tune_batch, self.compute,
                                               seed=self.recipe.calibration.seed * 100003 + i, gptq=gptq,
                                               held=tuning.split(samples, p.tune_holdout)[1],
@@ -900,10 +904,12 @@ class LayerwiseQuantizer:
         return t.detach() if self.stats.offload == "gpu" else t.detach().to("cpu")
 
     def _tuning_forward(self, layer: nn.Module, i: int, samples: list[int],
-                        weights: dict[str, torch.Tensor] | None) -> list[torch.Tensor]:
+                        weights: dict[str, torch.Tensor] | None,
+                        cache: AttentionCache | None = None) -> list[torch.Tensor]:
         """`samples` through layer i, as one batch where they have one length: with `weights` in place of its
         modules' on the quantized path's inputs; with None, the float layer on the float path's inputs. Outside
-        inference mode: autograd cannot save the activations and the mask made in it, so they are copied."""
+        inference mode: autograd cannot save the activations and the mask made in it, so they are copied. cache:
+        the quantized path's attention contexts (engine/attention_cache.py), where its inputs are not tuned."""
         if weights is None:
             hs = [self.float_path[s].to(self.device) if s in self.float_path else self.hidden[s] for s in samples]
         else:
@@ -926,8 +932,11 @@ class LayerwiseQuantizer:
             carry = self.carry[samples[g[0]]]
             kwargs = {"prev_topk_indices": carry if carry is None else carry.to(self.device)} if topk else {}
             args = dict(attention_mask=mask, position_ids=pos, position_embeddings=rotary, **kwargs)
-            y = layer(h.clone(), **args) if weights is None else \
-                torch.func.functional_call(layer, weights, (h.clone(),), args, strict=False)
+            if weights is None:
+                y = layer(h.clone(), **args)
+            else:
+                with cache.serving([samples[k] for k in g], weights) if cache is not None else nullcontext():
+                    y = torch.func.functional_call(layer, weights, (h.clone(),), args, strict=False)
             y = y[0] if isinstance(y, tuple) else y
             for j, k in enumerate(g):
                 out[k] = y[j:j + 1]

@@ -88,10 +88,12 @@ def layer_parts(layer: Layer, tokens: int, seq_len: int, hidden: int, itemsize: 
              "dense Hessians": hessians + 2 * 4 * largest * largest, "one sample's forward": forward,
              "staging": stage_bytes, "NCCL communicators": comm_bytes}
     batch, samples = layer.tune
-    if batch:  # one step's forward kept for its backward, and the float path's targets of the tuned samples
+    if batch:  # one step's forward kept for its backward, the float path's targets of the tuned samples, and their
+        # attention contexts (engine/attention_cache.py: o_proj's inputs, counted at the widest input's width)
         widest = max(layer.hessians, default=hidden)
         parts["tuning"] = (layer.weights // itemsize * TUNE_BYTES_PER_WEIGHT
-                           + batch * seq_len * (12 * hidden + 6 * widest) * itemsize + 2 * samples * seq_len * hidden * itemsize)
+                           + batch * seq_len * (12 * hidden + 6 * widest) * itemsize
+                           + samples * seq_len * (2 * hidden + widest) * itemsize)
     if resident:
         act = tokens * hidden * itemsize
         parts |= {"hidden states": act, "MoE inputs (2 passes)": 2 * act if layer.moe else 0,
