@@ -466,6 +466,16 @@ def test_the_attention_cache_is_off_where_attentions_inputs_are_tuned_and_recomp
     assert torch.equal(run(q), under_q)
     assert not torch.equal(run({}), under_q)  # the float weights' own (now q = 0): recorded anew
 
+    # an attention whose other outputs are not None (eager's weights) is never replaced: it runs every time
+    layer.self_attn.config._attn_implementation = "eager"
+    eager = AttentionCache.of(layer, ["self_attn.o_proj"])
+    calls = []
+    layer.self_attn.q_proj.register_forward_pre_hook(lambda *_: calls.append(1))  # only a real attention runs it
+    for _ in range(2):
+        with eager.serving([7, 9], {}):
+            layer(x, **args)
+    assert len(calls) == 2
+
 
 def test_an_mxfp4_tuning_that_starts_from_round_to_nearest_keeps_gptqs_bytes_where_it_loses(fixtures_dir, tmp_path,
                                                                                            monkeypatch):

@@ -24,6 +24,9 @@ class AttentionCache:
         self.attention = attention
         self.context: dict[int, tuple[list, torch.Tensor]] = {}  # sample -> (the weights' key, its context)
         self._arity = 0  # the length of the attention's output tuple (0: not a tuple)
+        # whether the attention's other outputs were all None when recorded: where one is not (eager attention's
+        # weights, an indexer's top-k the layer carries on), nothing is served and attention always runs
+        self._servable = True
 
     @classmethod
     def of(cls, layer: nn.Module, tuned: list[str]) -> "AttentionCache | None":
@@ -44,7 +47,7 @@ class AttentionCache:
         a forward under other ones, e.g. the float weights, records anew)."""
         key = [(n, w) for n, w in sorted(weights.items(), key=lambda kv: kv[0])
                if n.startswith("self_attn.") and not n.startswith("self_attn.o_proj.")]
-        if all(s in self.context and _same(self.context[s][0], key) for s in samples):
+        if self._servable and all(s in self.context and _same(self.context[s][0], key) for s in samples):
             context = torch.cat([self.context[s][1] for s in samples])
             o_proj = self.attention.o_proj
 
@@ -66,6 +69,7 @@ class AttentionCache:
 
         def arity(_module, _args, out):
             self._arity = len(out) if isinstance(out, tuple) else 0
+            self._servable = self._servable and all(x is None for x in (out[1:] if self._arity else ()))
 
         hooks = [self.attention.o_proj.register_forward_pre_hook(record), self.attention.register_forward_hook(arity)]
         try:
