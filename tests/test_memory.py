@@ -13,6 +13,7 @@ from conftest import RECIPES
 from quantize import recipe, serving
 from quantize.arch.layout import from_config
 from quantize.engine import agreement, experts, memory
+from quantize.engine import tune as tune_
 
 DATA = Path(__file__).parent / "data"
 MIB = 2**20
@@ -40,7 +41,8 @@ def layers(config: str, recipe_name: str, tune=(0, 0)) -> tuple[list[memory.Laye
     tc = model.text_config
     dsa = model.arch.family == "glm_moe_dsa"
     return memory.layers_of(entries, 2, stack_of, True, carry=8 * (tc.get("index_topk") or 0) * dsa,
-                            index_heads=(tc.get("index_n_heads") or 0) * dsa, tune=tune), model.hidden_size
+                            index_heads=(tc.get("index_n_heads") or 0) * dsa, tune=tune,
+                            logit_head=r.scheme.grid in tune_.HEAD_GRIDS), model.hidden_size
 
 
 def reading(config, recipe_name, free, rank=0, host_free=HOST, host="node-a", comm=0) -> agreement.Reading:
@@ -146,3 +148,21 @@ def test_the_tuning_after_gptq_is_counted_for_kimis_dense_layer_and_fits_an_h200
     assert memory.fits(a) and a.total < H200 // 2  # the expert stacks of a MoE layer still weigh more
     untuned, _ = layers("kimi-k2-instruct-config.json", "dense-w4a16")
     assert "tuning" not in memory.layer_parts(untuned[0], TOKENS, SEQ, hidden, 2, False, 0)
+
+
+def test_the_last_dense_layers_tuning_counts_the_logit_head_it_measures_through(tmp_path):
+    """engine/tune.py measures the last layer's error through lm_head (tune.Head): a dense Llama-3-70B's last layer
+    holds its 128256 x 8192 weight twice (bf16 and float32) and an 8192^2 Fisher matrix, 6.6 GiB more than its other
+    layers; Kimi's last layer is MoE, never tuned, and counts none."""
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
+           "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
+           "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}
+    (tmp_path / "llama.json").write_text(json.dumps(cfg))
+    ls, hidden = layers(str(tmp_path / "llama.json"), "dense-w4a16", tune=(4, 32))
+    parts = [memory.layer_parts(x, TOKENS, SEQ, hidden, 2, False, 0) for x in ls]
+    assert [p["logit head"] for p in parts[:-1]] == [0] * 79
+    assert parts[-1]["logit head"] == memory.head_bytes(128256, 8192, 2)
+    assert 6 * memory.GIB < parts[-1]["logit head"] < 7 * memory.GIB
+    assert memory.account(ls, TOKENS, SEQ, hidden, 2, "cpu", "cuda:0", H200, memory.GIB // 4).layer == 79
+    kimi, _ = layers("kimi-k2-instruct-config.json", "dense-w4a16", tune=(4, 32))
+    assert all(x.head == 0 for x in kimi)

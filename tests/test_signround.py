@@ -709,3 +709,83 @@ def test_a_tuned_run_resumed_from_a_layer_checkpoint_gives_the_uninterrupted_byt
     stream.run(plan, tmp_path / "out", resume=True, calibrated=hook)
     assert hook.quantizer.stats.resumed_layers == saved["next_layer"]
     assert shard_bytes(tmp_path / "out") == shard_bytes(tmp_path / "clean")
+
+
+def test_the_heads_error_is_the_next_token_kl_divergence_to_second_order():
+    """tune.Head: for one token, 1/2 dn^T F dn with F = W^T (diag p - p p^T) W is the KL divergence of the
+    perturbed logits' distribution from the target's to second order (the gap shrinks with the change, where a
+    wrong sign on p p^T or a missing half would leave it large); over many tokens F is their mean, exactly."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    hidden, vocab = 16, 40
+    norm = LlamaRMSNorm(hidden)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(hidden, generator=g))
+    weight = torch.randn(vocab, hidden, generator=g)
+    targets = [torch.randn(1, 30, hidden, generator=g) for _ in range(3)]
+    tokens = [t[:, k:k + 1] for t in targets for k in range(t.shape[1])]
+    single = [tune.Head.of(norm, weight, [t]) for t in tokens]
+    whole = tune.Head.of(norm, weight, targets)
+    assert torch.allclose(whole.fisher, sum(h.fisher for h in single) / len(single), rtol=1e-4, atol=1e-5)
+    assert float(torch.linalg.eigvalsh(whole.fisher).min()) > -1e-5  # a covariance: never negative
+    with torch.no_grad():
+        for scale, gap in ((3e-2, 0.15), (3e-3, 0.03)):  # float32 rounding bounds the second
+            for h, t in zip(single[:5], tokens[:5], strict=True):
+                y = t + scale * torch.randn(t.shape, generator=g)
+                kl = torch.nn.functional.kl_div(torch.log_softmax(h.logits(y), -1), torch.log_softmax(h.logits(t), -1),
+                                                log_target=True, reduction="sum")
+                assert abs(float(h.error(y, t)) / float(kl) - 1) < gap, (scale, float(h.error(y, t)), float(kl))
+
+
+def test_only_the_last_layer_is_tuned_on_the_logits_through_the_models_own_norm_and_lm_head(
+        fixtures_dir, tmp_path, monkeypatch):
+    """The last decoder layer's tuning gets a tune.Head (the others none) whose logits of its targets are the float
+    model's own, as transformers computes them from the last hidden state (the fixture ties lm_head to the
+    embedding or not: either way the model's)."""
+    from transformers import AutoModelForCausalLM
+
+    from quantize.engine import stream
+    from quantize.engine.layerwise import Calibrated
+
+    plan, samples = _tuned_plan(fixtures_dir, tmp_path)
+    heads = []
+    real = tune.tune_layer
+
+    def spy(forward, targets, *a, **k):
+        heads.append((k.get("head"), {s: t.clone() for s, t in targets.items()}))
+        return real(forward, targets, *a, **k)
+
+    monkeypatch.setattr(tune, "tune_layer", spy)
+    hook = Calibrated(plan, samples, torch.device("cpu"))
+    stream.run(plan, tmp_path / "out", calibrated=hook)
+    n = plan.model.num_hidden_layers
+    assert len(heads) == n and all(h is None for h, _ in heads[:-1]) and heads[-1][0] is not None
+    head, targets = heads[-1]
+    model = AutoModelForCausalLM.from_pretrained(fixtures_dir / "llama-bf16", dtype=torch.float32)
+    for s, t in targets.items():
+        with torch.no_grad():
+            want = model.lm_head(model.model.norm(t.float()))
+        assert torch.allclose(head.logits(t), want, rtol=1e-3, atol=1e-3), s
+    with torch.no_grad():
+        assert float(head.error(targets[0], targets[0])) == 0.0
+
+
+def test_the_last_layers_steps_take_the_heads_rate(monkeypatch):
+    """With a tune.Head the signed steps take HEAD_RATE of the schedule's rate, and without one all of it."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    W, X, scale, codes, values, _ = _solved()
+    x = X[None, :64].float()
+    target = {0: x @ W.t()}
+    rates_seen: list[float] = []
+    monkeypatch.setattr(Tunable, "step", lambda self, lr: rates_seen.append(lr))
+
+    def forward(samples, weights):
+        return [x @ weights["0.weight"].t() for _ in samples]
+
+    for head in (None, tune.Head.of(LlamaRMSNorm(W.shape[0]), torch.randn(10, W.shape[0]), [target[0]])):
+        tune.tune_layer(forward, target, {"0": Tunable.start(values, scale)}, 2, 1, torch.float32, seed=0, head=head)
+    assert rates_seen == [signround.schedule(0, 2), signround.schedule(1, 2),
+                          pytest.approx(signround.schedule(0, 2) * tune.HEAD_RATE),
+                          pytest.approx(signround.schedule(1, 2) * tune.HEAD_RATE)]

@@ -23,6 +23,7 @@ layer (engine/agreement.py).
 This module is the layer loop and the dense work (GPTQ of attention and dense MLPs, AWQ).
 """
 
+import copy
 import inspect
 import itertools
 import json
@@ -72,7 +73,8 @@ def _layers(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[memory
     tuned = min(g.samples(plan.recipe.scheme.grid) + g.tune_holdout, plan.recipe.calibration.num_samples)
     tune = (g.tune_batch, tuned) if plan.recipe.method == "gptq" and tunes(plan.recipe) else (0, 0)
     return memory.layers_of(plan.entries, dtype.itemsize, stack_of, gptq_, carry=8 * (tc.get("index_topk") or 0) * carry,
-                            index_heads=(tc.get("index_n_heads") or 0) * dsa, tune=tune)
+                            index_heads=(tc.get("index_n_heads") or 0) * dsa, tune=tune,
+                            logit_head=plan.recipe.scheme.grid in tuning.HEAD_GRIDS)
 
 
 def tunes(recipe) -> bool:
@@ -882,12 +884,15 @@ class LayerwiseQuantizer:
             gptq = dequantized(tunables) if self.recipe.scheme.fp4 in START_FROM_RTN else None
             # attention's inputs fixed (INT4): its context is kept from each sample's first quantized forward
             cache = AttentionCache.of(layer, list(tunables))
+            # the last layer's error is measured through the final norm and lm_head (tuning.Head)
+            last = i == self.model.num_hidden_layers - 1 and grid in tuning.HEAD_GRIDS
+            head = self._head(float_out) if last else None
             before, after = tuning.tune_layer(partial(self._tuning_forward, layer, i, cache=cache), float_out, tunables,
                                               p.iters, p.tune_batch, self.compute,
                                               seed=self.recipe.calibration.seed * 100003 + i, gptq=gptq,
                                               held=tuning.split(samples, p.tune_holdout)[1],
                                               per_channel=self.recipe.scheme.fp4 not in tuning.PLAIN_ERROR,
-                                              fixed=fixed)
+                                              fixed=fixed, head=head)
             report.tuned = [before, after]
             kept = after < before
             self.float_path = {s: self._kept(y) for s, y in float_out.items()}
@@ -898,6 +903,20 @@ class LayerwiseQuantizer:
                 codes, params = t.codes(), t.params(params)
             out[m] = (codes, params, fallback)
         return out
+
+    def _head(self, float_out: dict[int, torch.Tensor]) -> "tuning.Head | None":
+        """What follows the last decoder layer (tuning.Head): the model's own final norm in float32 and lm_head's
+        weight, or the embedding's where the checkpoint ties them; None where the checkpoint has no final norm
+        under the usual name (the layer's error is then the per-channel one)."""
+        pre = self.model.prefix
+        names = [f"{pre}model.norm.weight", f"{pre}lm_head.weight", f"{pre}model.embed_tokens.weight"]
+        if names[0] not in self.ckpt.tensors or not isinstance(getattr(self.skeleton.model, "norm", None), nn.Module):
+            return None
+        norm = copy.deepcopy(self.skeleton.model.norm).to_empty(device=self.device).float()
+        with torch.no_grad():
+            norm.weight.copy_(self._decode(names[0]))
+        weight = self._decode(names[1] if names[1] in self.ckpt.tensors else names[2]).to(self.compute)
+        return tuning.Head.of(norm, weight, list(float_out.values()))
 
     def _kept(self, t: torch.Tensor) -> torch.Tensor:
         """A float path's hidden state where the activations are kept (host memory unless they stay on the GPU)."""

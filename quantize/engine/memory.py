@@ -7,12 +7,16 @@ Per decoder layer, on the device, whatever the offload:
 - the dense Hessians of the layer (all alive until solved) and the solve's working copies of the largest;
 - one sample's forward (its hidden states, attention and MLP temporaries; a DSA layer's index scores);
 - NCCL's staging of host buffers, a bounded chunk at a time (distributed.STAGE_BYTES), and its communicators'
-  buffers (nccl_bytes).
+  buffers (nccl_bytes);
+- where a dense layer is tuned after GPTQ (engine/tune.py), the tuning's (TUNE_BYTES_PER_WEIGHT, one step's
+  forward, the targets and attention contexts), and in the last layer the logit head it measures through
+  (head_bytes).
 With `--offload gpu` also every sample's hidden states, a MoE layer's inputs recorded twice (the calibration
 pass and the quantized pass), the routed experts' partial sums (a group's and the total) and a DSA layer's
 top-k indices carried to the next layer; with `cpu` or `disk` those live on the host, or in mapped files.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -46,6 +50,7 @@ class Layer:
     carry: int  # bytes per token a DSA layer passes to the next (its top-k indices)
     index_heads: int = 0  # a DSA layer's indexer heads: one sample's [heads, seq, seq] float32 scores
     tune: tuple[int, int] = (0, 0)  # (batch, samples) of the tuning after GPTQ (engine/tune.py); (0, 0): none
+    head: int = 0  # bytes of the model's end the last layer's tuning measures its error through (tune.Head)
 
 
 # The tuning's bytes per weight of a tuned layer: GPTQ's values before rounding, the offset and its gradient (float32
@@ -94,6 +99,7 @@ def layer_parts(layer: Layer, tokens: int, seq_len: int, hidden: int, itemsize: 
         parts["tuning"] = (layer.weights // itemsize * TUNE_BYTES_PER_WEIGHT
                            + batch * seq_len * (12 * hidden + 6 * widest) * itemsize
                            + samples * seq_len * (2 * hidden + widest) * itemsize)
+        parts["logit head"] = layer.head
     if resident:
         act = tokens * hidden * itemsize
         parts |= {"hidden states": act, "MoE inputs (2 passes)": 2 * act if layer.moe else 0,
@@ -143,11 +149,21 @@ def hessian_widths(targets: list[tuple[str, tuple[int, ...]]]) -> tuple[int, ...
     return tuple(sorted({(name.rsplit(".", 2)[0], shape[1]): shape[1] for name, shape in targets}.values()))
 
 
+def head_bytes(vocab: int, hidden: int, itemsize: int) -> int:
+    """What tune.Head holds for the last layer's tuning: lm_head's weight in the compute dtype and in float32, the
+    Fisher information and its running sum (float32), and one chunk of tokens' probabilities over the vocabulary
+    with the product that sums them."""
+    from quantize.engine.tune import HEAD_CHUNK
+
+    return vocab * hidden * (itemsize + 4) + 2 * 4 * hidden * hidden + 4 * vocab * (2 * HEAD_CHUNK + 1)
+
+
 def layers_of(entries, itemsize: int, stack_of, gptq: bool, carry: int = 0, index_heads: int = 0,
-              tune: tuple[int, int] = (0, 0)) -> list[Layer]:
+              tune: tuple[int, int] = (0, 0), logit_head: bool = False) -> list[Layer]:
     """The decoder layers of a plan's entries (anything with tensor.name, tensor.shape, role and action). Under
     GPTQ a layer whose routed experts are targets streams them (`stack_of(inter, hidden)`: the bytes of its
-    stacks); otherwise they are built into the layer with its other weights."""
+    stacks); otherwise they are built into the layer with its other weights. With `logit_head` the last one, when
+    tuned, also holds the logit head (head_bytes) of lm_head's vocabulary (or the embedding's it is tied to)."""
     by_layer: dict[int, list] = {}
     for e in entries:
         if e.role.layer is not None and e.role.kind != "mtp":
@@ -162,4 +178,8 @@ def layers_of(entries, itemsize: int, stack_of, gptq: bool, carry: int = 0, inde
                  if gptq and e.action == "quantize" and e.role.kind != "expert" and len(e.tensor.shape) == 2]
         out.append(Layer(i, weights, hessian_widths(dense), stack_of(*gate.tensor.shape) if streamed else 0, streamed,
                          carry, index_heads, tune if dense and gate is None else (0, 0)))
+    ends = [e.tensor.shape for e in entries if e.role.layer is None and len(e.tensor.shape) == 2
+            and e.tensor.name.endswith(("lm_head.weight", "embed_tokens.weight"))]
+    if logit_head and out and out[-1].tune[0] and ends:
+        out[-1] = dataclasses.replace(out[-1], head=head_bytes(*max(ends), itemsize))
     return out
