@@ -151,18 +151,19 @@ def test_the_tuning_after_gptq_is_counted_for_kimis_dense_layer_and_fits_an_h200
 
 
 def test_the_last_dense_layers_tuning_counts_the_logit_head_it_measures_through(tmp_path):
-    """engine/tune.py measures the last layer's error through lm_head (tune.Head): a dense Llama-3-70B's last layer
-    holds its 128256 x 8192 weight twice (bf16 and float32) and an 8192^2 Fisher matrix, 6.6 GiB more than its other
-    layers; Kimi's last layer is MoE, never tuned, and counts none."""
+    """engine/tune.py measures the last tune.HEAD_LAYERS layers' error through lm_head (tune.Head): each of a dense
+    Llama-3-70B's last four layers holds its 128256 x 8192 weight twice (bf16 and float32) and an 8192^2 Fisher
+    matrix, 6.6 GiB more than its other layers; Kimi's last layers are MoE, never tuned, and count none."""
     cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192, "intermediate_size": 28672,
            "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256,
            "tie_word_embeddings": False, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}
     (tmp_path / "llama.json").write_text(json.dumps(cfg))
     ls, hidden = layers(str(tmp_path / "llama.json"), "dense-w4a16", tune=(4, 32))
     parts = [memory.layer_parts(x, TOKENS, SEQ, hidden, 2, False, 0) for x in ls]
-    assert [p["logit head"] for p in parts[:-1]] == [0] * 79
-    assert parts[-1]["logit head"] == memory.head_bytes(128256, 8192, 2)
+    assert tune_.HEAD_LAYERS == 4
+    assert [p["logit head"] for p in parts[:-4]] == [0] * 76
+    assert [p["logit head"] for p in parts[-4:]] == [memory.head_bytes(128256, 8192, 2)] * 4
     assert 6 * memory.GIB < parts[-1]["logit head"] < 7 * memory.GIB
-    assert memory.account(ls, TOKENS, SEQ, hidden, 2, "cpu", "cuda:0", H200, memory.GIB // 4).layer == 79
+    assert memory.account(ls, TOKENS, SEQ, hidden, 2, "cpu", "cuda:0", H200, memory.GIB // 4).layer == 76  # the first
     kimi, _ = layers("kimi-k2-instruct-config.json", "dense-w4a16", tune=(4, 32))
     assert all(x.head == 0 for x in kimi)

@@ -711,10 +711,11 @@ def test_a_tuned_run_resumed_from_a_layer_checkpoint_gives_the_uninterrupted_byt
     assert shard_bytes(tmp_path / "out") == shard_bytes(tmp_path / "clean")
 
 
-def test_the_heads_error_is_the_next_token_kl_divergence_to_second_order():
+def test_the_heads_error_is_the_next_token_kl_divergence_to_second_order(monkeypatch):
     """tune.Head: for one token, 1/2 dn^T F dn with F = W^T (diag p - p p^T) W is the KL divergence of the
     perturbed logits' distribution from the target's to second order (the gap shrinks with the change, where a
-    wrong sign on p p^T or a missing half would leave it large); over many tokens F is their mean, exactly."""
+    wrong sign on p p^T or a missing half would leave it large); over many tokens F is their mean, exactly, and over
+    more than HEAD_TOKENS the mean of every k-th token's."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     g = torch.Generator().manual_seed(0)
@@ -728,6 +729,12 @@ def test_the_heads_error_is_the_next_token_kl_divergence_to_second_order():
     single = [tune.Head.of(norm, weight, [t]) for t in tokens]
     whole = tune.Head.of(norm, weight, targets)
     assert torch.allclose(whole.fisher, sum(h.fisher for h in single) / len(single), rtol=1e-4, atol=1e-5)
+    # over more than HEAD_TOKENS tokens: every k-th token of each sample, k = 90 // 40 = 2
+    monkeypatch.setattr(tune, "HEAD_TOKENS", 40)
+    strided = tune.Head.of(norm, weight, targets)
+    every_2nd = [h for h, k in zip(single, [k for t in targets for k in range(t.shape[1])], strict=True) if k % 2 == 0]
+    assert len(every_2nd) == 45
+    assert torch.allclose(strided.fisher, sum(h.fisher for h in every_2nd) / 45, rtol=1e-4, atol=1e-5)
     assert float(torch.linalg.eigvalsh(whole.fisher).min()) > -1e-5  # a covariance: never negative
     with torch.no_grad():
         for scale, gap in ((3e-2, 0.15), (3e-3, 0.03)):  # float32 rounding bounds the second
@@ -738,11 +745,12 @@ def test_the_heads_error_is_the_next_token_kl_divergence_to_second_order():
                 assert abs(float(h.error(y, t)) / float(kl) - 1) < gap, (scale, float(h.error(y, t)), float(kl))
 
 
-def test_only_the_last_layer_is_tuned_on_the_logits_through_the_models_own_norm_and_lm_head(
+def test_only_the_last_layers_are_tuned_on_the_logits_through_the_models_own_norm_and_lm_head(
         fixtures_dir, tmp_path, monkeypatch):
-    """The last decoder layer's tuning gets a tune.Head (the others none) whose logits of its targets are the float
-    model's own, as transformers computes them from the last hidden state (the fixture ties lm_head to the
-    embedding or not: either way the model's)."""
+    """The last HEAD_LAYERS decoder layers' tuning gets a tune.Head (the others none) whose logits of each layer's
+    targets are the float model's own norm and lm_head's of that hidden state, as transformers computes them (the
+    fixture ties lm_head to the embedding or not: either way the model's). The last layer's are the model's logits;
+    the one before it is read through the same head (the logit lens)."""
     from transformers import AutoModelForCausalLM
 
     from quantize.engine import stream
@@ -757,18 +765,25 @@ def test_only_the_last_layer_is_tuned_on_the_logits_through_the_models_own_norm_
         return real(forward, targets, *a, **k)
 
     monkeypatch.setattr(tune, "tune_layer", spy)
-    hook = Calibrated(plan, samples, torch.device("cpu"))
-    stream.run(plan, tmp_path / "out", calibrated=hook)
     n = plan.model.num_hidden_layers
-    assert len(heads) == n and all(h is None for h, _ in heads[:-1]) and heads[-1][0] is not None
-    head, targets = heads[-1]
+    assert n == 2 <= tune.HEAD_LAYERS
+    monkeypatch.setattr(tune, "HEAD_LAYERS", 1)
+    stream.run(plan, tmp_path / "one", calibrated=Calibrated(plan, samples, torch.device("cpu")))
+    assert len(heads) == n and heads[0][0] is None and heads[1][0] is not None
+    heads.clear()
+    monkeypatch.setattr(tune, "HEAD_LAYERS", 2)
+    stream.run(plan, tmp_path / "out", calibrated=Calibrated(plan, samples, torch.device("cpu")))
+    assert len(heads) == n and all(h is not None for h, _ in heads)
     model = AutoModelForCausalLM.from_pretrained(fixtures_dir / "llama-bf16", dtype=torch.float32)
-    for s, t in targets.items():
+    for head, targets in heads:
+        for s, t in targets.items():
+            with torch.no_grad():
+                want = model.lm_head(model.model.norm(t.float()))
+            assert torch.allclose(head.logits(t), want, rtol=1e-3, atol=1e-3), s
         with torch.no_grad():
-            want = model.lm_head(model.model.norm(t.float()))
-        assert torch.allclose(head.logits(t), want, rtol=1e-3, atol=1e-3), s
-    with torch.no_grad():
-        assert float(head.error(targets[0], targets[0])) == 0.0
+            assert float(head.error(targets[0], targets[0])) == 0.0
+    # each layer's head is its own: the Fisher information of its own targets' tokens
+    assert not torch.allclose(heads[0][0].fisher, heads[1][0].fisher)
 
 
 def test_the_last_layers_steps_take_the_heads_rate(monkeypatch):

@@ -884,9 +884,9 @@ class LayerwiseQuantizer:
             gptq = dequantized(tunables) if self.recipe.scheme.fp4 in START_FROM_RTN else None
             # attention's inputs fixed (INT4): its context is kept from each sample's first quantized forward
             cache = AttentionCache.of(layer, list(tunables))
-            # the last layer's error is measured through the final norm and lm_head (tuning.Head)
-            last = i == self.model.num_hidden_layers - 1 and grid in tuning.HEAD_GRIDS
-            head = self._head(float_out) if last else None
+            # the last layers' error is measured through the final norm and lm_head (tuning.Head)
+            on_logits = i >= self.model.num_hidden_layers - tuning.HEAD_LAYERS and grid in tuning.HEAD_GRIDS
+            head = self._head(float_out) if on_logits else None
             before, after = tuning.tune_layer(partial(self._tuning_forward, layer, i, cache=cache), float_out, tunables,
                                               p.iters, p.tune_batch, self.compute,
                                               seed=self.recipe.calibration.seed * 100003 + i, gptq=gptq,

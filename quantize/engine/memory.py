@@ -9,8 +9,8 @@ Per decoder layer, on the device, whatever the offload:
 - NCCL's staging of host buffers, a bounded chunk at a time (distributed.STAGE_BYTES), and its communicators'
   buffers (nccl_bytes);
 - where a dense layer is tuned after GPTQ (engine/tune.py), the tuning's (TUNE_BYTES_PER_WEIGHT, one step's
-  forward, the targets and attention contexts), and in the last layer the logit head it measures through
-  (head_bytes).
+  forward, the targets and attention contexts), and in the last tune.HEAD_LAYERS layers the logit head they
+  measure through (head_bytes).
 With `--offload gpu` also every sample's hidden states, a MoE layer's inputs recorded twice (the calibration
 pass and the quantized pass), the routed experts' partial sums (a group's and the total) and a DSA layer's
 top-k indices carried to the next layer; with `cpu` or `disk` those live on the host, or in mapped files.
@@ -50,7 +50,7 @@ class Layer:
     carry: int  # bytes per token a DSA layer passes to the next (its top-k indices)
     index_heads: int = 0  # a DSA layer's indexer heads: one sample's [heads, seq, seq] float32 scores
     tune: tuple[int, int] = (0, 0)  # (batch, samples) of the tuning after GPTQ (engine/tune.py); (0, 0): none
-    head: int = 0  # bytes of the model's end the last layer's tuning measures its error through (tune.Head)
+    head: int = 0  # bytes of the model's end the last layers' tuning measures its error through (tune.Head)
 
 
 # The tuning's bytes per weight of a tuned layer: GPTQ's values before rounding, the offset and its gradient (float32
@@ -150,7 +150,7 @@ def hessian_widths(targets: list[tuple[str, tuple[int, ...]]]) -> tuple[int, ...
 
 
 def head_bytes(vocab: int, hidden: int, itemsize: int) -> int:
-    """What tune.Head holds for the last layer's tuning: lm_head's weight in the compute dtype and in float32, the
+    """What tune.Head holds for one of the last layers' tuning: lm_head's weight in the compute dtype and in float32, the
     Fisher information and its running sum (float32), and one chunk of tokens' probabilities over the vocabulary
     with the product that sums them."""
     from quantize.engine.tune import HEAD_CHUNK
@@ -162,8 +162,9 @@ def layers_of(entries, itemsize: int, stack_of, gptq: bool, carry: int = 0, inde
               tune: tuple[int, int] = (0, 0), logit_head: bool = False) -> list[Layer]:
     """The decoder layers of a plan's entries (anything with tensor.name, tensor.shape, role and action). Under
     GPTQ a layer whose routed experts are targets streams them (`stack_of(inter, hidden)`: the bytes of its
-    stacks); otherwise they are built into the layer with its other weights. With `logit_head` the last one, when
-    tuned, also holds the logit head (head_bytes) of lm_head's vocabulary (or the embedding's it is tied to)."""
+    stacks); otherwise they are built into the layer with its other weights. With `logit_head` the last
+    tune.HEAD_LAYERS of them, where tuned, also hold the logit head (head_bytes) of lm_head's vocabulary (or the
+    embedding's it is tied to)."""
     by_layer: dict[int, list] = {}
     for e in entries:
         if e.role.layer is not None and e.role.kind != "mtp":
@@ -180,6 +181,10 @@ def layers_of(entries, itemsize: int, stack_of, gptq: bool, carry: int = 0, inde
                          carry, index_heads, tune if dense and gate is None else (0, 0)))
     ends = [e.tensor.shape for e in entries if e.role.layer is None and len(e.tensor.shape) == 2
             and e.tensor.name.endswith(("lm_head.weight", "embed_tokens.weight"))]
-    if logit_head and out and out[-1].tune[0] and ends:
-        out[-1] = dataclasses.replace(out[-1], head=head_bytes(*max(ends), itemsize))
+    if logit_head and ends:
+        from quantize.engine.tune import HEAD_LAYERS
+
+        last = out[-1].index if out else 0  # as the engine: layers n - HEAD_LAYERS to n - 1
+        out = [dataclasses.replace(x, head=head_bytes(*max(ends), itemsize))
+               if x.tune[0] and x.index > last - HEAD_LAYERS else x for x in out]
     return out
