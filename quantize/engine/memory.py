@@ -150,9 +150,9 @@ def hessian_widths(targets: list[tuple[str, tuple[int, ...]]]) -> tuple[int, ...
 
 
 def head_bytes(vocab: int, hidden: int, itemsize: int) -> int:
-    """What tune.Head holds for one of the last layers' tuning: lm_head's weight in the compute dtype and in float32, the
-    Fisher information and its running sum (float32), and one chunk of tokens' probabilities over the vocabulary
-    with the product that sums them."""
+    """What tune.Head holds for one of the last layers' tuning: lm_head's weight in the compute dtype and in
+    float32, the Fisher information and its running sum (float32), and one chunk of tokens' probabilities over the
+    vocabulary with the product that sums them."""
     from quantize.engine.tune import HEAD_CHUNK
 
     return vocab * hidden * (itemsize + 4) + 2 * 4 * hidden * hidden + 4 * vocab * (2 * HEAD_CHUNK + 1)
