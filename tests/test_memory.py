@@ -42,7 +42,7 @@ def layers(config: str, recipe_name: str, tune=(0, 0)) -> tuple[list[memory.Laye
     dsa = model.arch.family == "glm_moe_dsa"
     return memory.layers_of(entries, 2, stack_of, True, carry=8 * (tc.get("index_topk") or 0) * dsa,
                             index_heads=(tc.get("index_n_heads") or 0) * dsa, tune=tune,
-                            logit_head=r.scheme.grid in tune_.HEAD_GRIDS), model.hidden_size
+                            grid=r.scheme.grid), model.hidden_size
 
 
 def reading(config, recipe_name, free, rank=0, host_free=HOST, host="node-a", comm=0) -> agreement.Reading:

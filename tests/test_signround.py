@@ -750,7 +750,7 @@ def test_only_the_last_layers_are_tuned_on_the_logits_through_the_models_own_nor
     """The last HEAD_LAYERS decoder layers' tuning gets a tune.Head (the others none) whose logits of each layer's
     targets are the float model's own norm and lm_head's of that hidden state, as transformers computes them (the
     fixture ties lm_head to the embedding or not: either way the model's). The last layer's are the model's logits;
-    the one before it is read through the same head (the logit lens)."""
+    the one before it is read through the same head (the logit lens), decoded once for both."""
     from transformers import AutoModelForCausalLM
 
     from quantize.engine import stream
@@ -782,8 +782,10 @@ def test_only_the_last_layers_are_tuned_on_the_logits_through_the_models_own_nor
             assert torch.allclose(head.logits(t), want, rtol=1e-3, atol=1e-3), s
         with torch.no_grad():
             assert float(head.error(targets[0], targets[0])) == 0.0
-    # each layer's head is its own: the Fisher information of its own targets' tokens
+    # each layer's head is its own: the Fisher information of its own targets' tokens; lm_head and the norm are
+    # decoded once for both
     assert not torch.allclose(heads[0][0].fisher, heads[1][0].fisher)
+    assert heads[0][0].weight is heads[1][0].weight and heads[0][0].norm is heads[1][0].norm
 
 
 def test_the_last_layers_steps_take_the_heads_rate(monkeypatch):

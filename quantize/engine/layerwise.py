@@ -74,7 +74,7 @@ def _layers(plan: Plan, dtype: torch.dtype, device: torch.device) -> list[memory
     tune = (g.tune_batch, tuned) if plan.recipe.method == "gptq" and tunes(plan.recipe) else (0, 0)
     return memory.layers_of(plan.entries, dtype.itemsize, stack_of, gptq_, carry=8 * (tc.get("index_topk") or 0) * carry,
                             index_heads=(tc.get("index_n_heads") or 0) * dsa, tune=tune,
-                            logit_head=plan.recipe.scheme.grid in tuning.HEAD_GRIDS)
+                            grid=plan.recipe.scheme.grid)
 
 
 def tunes(recipe) -> bool:
@@ -234,6 +234,7 @@ class LayerwiseQuantizer:
         # the float model's hidden states of the tuned and held-out samples entering the next layer (engine/tune.py);
         # empty where they are the quantized path's own: at the start, and after a layer that was not tuned
         self.float_path: dict[int, torch.Tensor] = {}
+        self._logit_end: list | None = None  # [(final norm, lm_head's weight) or None] while the last layers tune
         self._shared: tuple = (None, None)  # (length, layer type), (mask, rotary embeddings)
         self.rotary = type(self.skeleton.model.rotary_emb)(config=self.config).to(self.device)
         self._rotary_by_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
@@ -885,8 +886,7 @@ class LayerwiseQuantizer:
             # attention's inputs fixed (INT4): its context is kept from each sample's first quantized forward
             cache = AttentionCache.of(layer, list(tunables))
             # the last layers' error is measured through the final norm and lm_head (tuning.Head)
-            on_logits = i >= self.model.num_hidden_layers - tuning.HEAD_LAYERS and grid in tuning.HEAD_GRIDS
-            head = self._head(float_out) if on_logits else None
+            head = self._head(i, float_out) if tuning.on_logits(i, self.model.num_hidden_layers, grid) else None
             before, after = tuning.tune_layer(partial(self._tuning_forward, layer, i, cache=cache), float_out, tunables,
                                               p.iters, p.tune_batch, self.compute,
                                               seed=self.recipe.calibration.seed * 100003 + i, gptq=gptq,
@@ -904,19 +904,26 @@ class LayerwiseQuantizer:
             out[m] = (codes, params, fallback)
         return out
 
-    def _head(self, float_out: dict[int, torch.Tensor]) -> "tuning.Head | None":
-        """What follows the last decoder layer (tuning.Head): the model's own final norm in float32 and lm_head's
-        weight, or the embedding's where the checkpoint ties them; None where the checkpoint has no final norm
-        under the usual name (the layer's error is then the per-channel one)."""
-        pre = self.model.prefix
-        names = [f"{pre}model.norm.weight", f"{pre}lm_head.weight", f"{pre}model.embed_tokens.weight"]
-        if names[0] not in self.ckpt.tensors or not isinstance(getattr(self.skeleton.model, "norm", None), nn.Module):
-            return None
-        norm = copy.deepcopy(self.skeleton.model.norm).to_empty(device=self.device).float()
-        with torch.no_grad():
-            norm.weight.copy_(self._decode(names[0]))
-        weight = self._decode(names[1] if names[1] in self.ckpt.tensors else names[2]).to(self.compute)
-        return tuning.Head.of(norm, weight, list(float_out.values()))
+    def _head(self, i: int, float_out: dict[int, torch.Tensor]) -> "tuning.Head | None":
+        """Layer i's Head (tuning.Head), its Fisher information from `float_out`: what follows the last decoder
+        layer, the model's own final norm in float32 and lm_head's weight, or the embedding's where the checkpoint
+        ties them; None where the checkpoint has no final norm under the usual name (the layer's error is then the
+        per-channel one). The norm and weight are decoded once for the last layers that all read through them (a
+        70B's lm_head is 2 GB) and let go after the last layer."""
+        if self._logit_end is None:
+            pre = self.model.prefix
+            names = [f"{pre}model.norm.weight", f"{pre}lm_head.weight", f"{pre}model.embed_tokens.weight"]
+            end = None
+            if names[0] in self.ckpt.tensors and isinstance(getattr(self.skeleton.model, "norm", None), nn.Module):
+                norm = copy.deepcopy(self.skeleton.model.norm).to_empty(device=self.device).float()
+                with torch.no_grad():
+                    norm.weight.copy_(self._decode(names[0]))
+                end = (norm, self._decode(names[1] if names[1] in self.ckpt.tensors else names[2]).to(self.compute))
+            self._logit_end = [end]
+        end = self._logit_end[0]
+        if i == self.model.num_hidden_layers - 1:
+            self._logit_end = None
+        return tuning.Head.of(*end, list(float_out.values())) if end is not None else None
 
     def _kept(self, t: torch.Tensor) -> torch.Tensor:
         """A float path's hidden state where the activations are kept (host memory unless they stay on the GPU)."""

@@ -159,12 +159,12 @@ def head_bytes(vocab: int, hidden: int, itemsize: int) -> int:
 
 
 def layers_of(entries, itemsize: int, stack_of, gptq: bool, carry: int = 0, index_heads: int = 0,
-              tune: tuple[int, int] = (0, 0), logit_head: bool = False) -> list[Layer]:
+              tune: tuple[int, int] = (0, 0), grid: str | None = None) -> list[Layer]:
     """The decoder layers of a plan's entries (anything with tensor.name, tensor.shape, role and action). Under
     GPTQ a layer whose routed experts are targets streams them (`stack_of(inter, hidden)`: the bytes of its
-    stacks); otherwise they are built into the layer with its other weights. With `logit_head` the last
-    tune.HEAD_LAYERS of them, where tuned, also hold the logit head (head_bytes) of lm_head's vocabulary (or the
-    embedding's it is tied to)."""
+    stacks); otherwise they are built into the layer with its other weights. Under the scheme's `grid` the layers
+    whose tuning is measured through the logits (tune.on_logits, where tuned) also hold the logit head (head_bytes)
+    of lm_head's vocabulary (or the embedding's it is tied to)."""
     by_layer: dict[int, list] = {}
     for e in entries:
         if e.role.layer is not None and e.role.kind != "mtp":
@@ -181,10 +181,10 @@ def layers_of(entries, itemsize: int, stack_of, gptq: bool, carry: int = 0, inde
                          carry, index_heads, tune if dense and gate is None else (0, 0)))
     ends = [e.tensor.shape for e in entries if e.role.layer is None and len(e.tensor.shape) == 2
             and e.tensor.name.endswith(("lm_head.weight", "embed_tokens.weight"))]
-    if logit_head and ends:
-        from quantize.engine.tune import HEAD_LAYERS
+    if grid is not None and ends:
+        from quantize.engine.tune import on_logits
 
-        last = out[-1].index if out else 0  # as the engine: layers n - HEAD_LAYERS to n - 1
+        layers = out[-1].index + 1 if out else 0
         out = [dataclasses.replace(x, head=head_bytes(*max(ends), itemsize))
-               if x.tune[0] and x.index > last - HEAD_LAYERS else x for x in out]
+               if x.tune[0] and on_logits(x.index, layers, grid) else x for x in out]
     return out

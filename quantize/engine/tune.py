@@ -105,6 +105,12 @@ HEAD_CHUNK = 256  # tokens a pass over the vocabulary takes while the Fisher inf
 HEAD_TOKENS = 4096
 
 
+def on_logits(layer: int, layers: int, grid: str = "int4") -> bool:
+    """Whether decoder layer `layer` of a model's `layers` has its tuning measured through the logits (Head): one of
+    the last HEAD_LAYERS, on a grid of HEAD_GRIDS. The engine and the memory account both ask this."""
+    return layer >= layers - HEAD_LAYERS and grid in HEAD_GRIDS
+
+
 @dataclass
 class Head:
     """What follows the last decoder layer: the model's final norm (a float32 module) and lm_head's weight [vocab,
