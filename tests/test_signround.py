@@ -628,14 +628,17 @@ def test_the_model_card_says_when_the_layers_were_tuned():
     assert "kept where its error dropped on 32 held-out samples)" in held and "held-out" not in cards[20]
 
 
-def _tuned_plan(fixtures_dir, tmp_path, iters=2, num_samples=6, seq_len=32):
+def _tuned_plan(fixtures_dir, tmp_path, iters=2, num_samples=6, seq_len=32, scheme="w4a16"):
     import dataclasses
 
     from test_gptq import calibrated_plan
 
+    from quantize import recipe
+
     plan, samples = calibrated_plan(fixtures_dir / "llama-bf16", "dense-w4a16", tmp_path, num_samples, seq_len)
     r = plan.recipe
-    r = dataclasses.replace(r, scheme=dataclasses.replace(r.scheme, group_size=32),
+    s = recipe.preset(scheme, 32, "gptq").scheme
+    r = dataclasses.replace(r, scheme=dataclasses.replace(r.scheme, group_size=32) if scheme == "w4a16" else s,
                             gptq=dataclasses.replace(r.gptq, tune_iters=iters, tune_samples=4, tune_batch=2,
                                                      tune_holdout=2))
     from quantize.checkpoint import Checkpoint
@@ -745,8 +748,9 @@ def test_the_heads_error_is_the_next_token_kl_divergence_to_second_order(monkeyp
                 assert abs(float(h.error(y, t)) / float(kl) - 1) < gap, (scale, float(h.error(y, t)), float(kl))
 
 
+@pytest.mark.parametrize("scheme", ["w4a16", "nvfp4a16", "mxfp4a16"])
 def test_only_the_last_layers_are_tuned_on_the_logits_through_the_models_own_norm_and_lm_head(
-        fixtures_dir, tmp_path, monkeypatch):
+        fixtures_dir, tmp_path, monkeypatch, scheme):
     """The last HEAD_LAYERS decoder layers' tuning gets a tune.Head (the others none) whose logits of each layer's
     targets are the float model's own norm and lm_head's of that hidden state, as transformers computes them (the
     fixture ties lm_head to the embedding or not: either way the model's). The last layer's are the model's logits;
@@ -756,7 +760,8 @@ def test_only_the_last_layers_are_tuned_on_the_logits_through_the_models_own_nor
     from quantize.engine import stream
     from quantize.engine.layerwise import Calibrated
 
-    plan, samples = _tuned_plan(fixtures_dir, tmp_path)
+    plan, samples = _tuned_plan(fixtures_dir, tmp_path, scheme=scheme)
+    assert plan.recipe.scheme.grid == {"w4a16": "int4", "nvfp4a16": "nvfp4", "mxfp4a16": "mxfp4"}[scheme]
     heads = []
     real = tune.tune_layer
 
@@ -767,6 +772,10 @@ def test_only_the_last_layers_are_tuned_on_the_logits_through_the_models_own_nor
     monkeypatch.setattr(tune, "tune_layer", spy)
     n = plan.model.num_hidden_layers
     assert n == 2 <= tune.HEAD_LAYERS
+    if scheme == "mxfp4a16":  # not measured there: its layers keep their own error
+        stream.run(plan, tmp_path / "mx", calibrated=Calibrated(plan, samples, torch.device("cpu")))
+        assert len(heads) == n and all(h is None for h, _ in heads)
+        return
     monkeypatch.setattr(tune, "HEAD_LAYERS", 1)
     stream.run(plan, tmp_path / "one", calibrated=Calibrated(plan, samples, torch.device("cpu")))
     assert len(heads) == n and heads[0][0] is None and heads[1][0] is not None

@@ -95,9 +95,9 @@ def tuned(module: str, grid: str = "int4") -> bool:
 HEAD_LAYERS = 4
 # Their rate: the grid's LR and SCALE_LR times this
 HEAD_RATE = 0.2
-# the grids whose last layers are so measured: INT4's, where it was measured; the FP4 grids' keep their error (per
-# channel, MXFP4's plain) until measured there
-HEAD_GRIDS = ("int4",)
+# the grids whose last layers are so measured: INT4's and NVFP4's, where it was measured (NVFP4: the docstring of
+# Head); MXFP4's keep their plain error until measured there
+HEAD_GRIDS = ("int4", "nvfp4")
 HEAD_CHUNK = 256  # tokens a pass over the vocabulary takes while the Fisher information is summed
 # the Fisher information is summed over about this many of the targets' tokens (every k-th of each sample's): a pass
 # over the vocabulary per token is the head's cost (SmolLM2's 49152 x 576 on 2 cores of an AMD EPYC: 4096 tokens
@@ -144,7 +144,21 @@ class Head:
     on the Intel Xeon above): the last layer alone gave 31.65 / 31.38 / 31.21 / 30.85 over draws 0 / 1 / 2 / 3, the
     last four (HEAD_LAYERS, the Fisher information over HEAD_TOKENS) 31.25 / 30.80 / 30.91 / 30.97 (mean 31.27 to
     30.98, paired -0.29 +- 0.15, lower on three draws of four); the last two 31.51 and the last eight 31.75 on draw
-    0, the lens misleading from some depth on."""
+    0, the lens misleading from some depth on.
+
+    Measured about the four and not kept (the same machine; the last four layers run again from the layer checkpoint
+    entering layer 26, which gives the whole convert's perplexity to the last digit: 31.25 / 30.80 on draws 0 / 1;
+    draw 0 alone where one figure is given): the stride centred, every k-th token from the k/2-th (from the first,
+    as now, each sample's first token, SmolLM2's massive one, is always read and weighs k times its share), 31.22 /
+    31.08; the Fisher information over every token 31.25; HEAD_RATE 0.1 31.50 and 0.4 31.49; the head's error plus
+    the per-channel one, each over its value under GPTQ's bytes, 31.52; 64 tuned samples in the four 31.95; twice
+    the steps at half the rate 31.15, in 1.5x the four layers' time.
+
+    NVFP4's last four are so measured too (HEAD_GRIDS), at HEAD_RATE of its rates, where they were measured under the
+    per-channel error before. The same machine, the four run again from the checkpoint entering layer 26 (draws 2
+    and 3 before: whole converts), dithered SmolLM2 NVFP4A16, draws 0 / 1 / 2 / 3: 30.08 / 30.27 /
+    29.98 / 30.08 to 29.57 / 30.49 / 29.64 / 29.65 (mean 30.10 to 29.84, paired -0.27 +- 0.17, lower on three draws
+    of four). MXFP4 (plain squared error, steps from round to nearest) is not measured."""
 
     norm: nn.Module
     weight: torch.Tensor
