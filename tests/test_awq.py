@@ -280,3 +280,20 @@ def test_awq_on_several_ranks_gives_the_bytes_of_one(kind, ranks, fixtures_dir, 
     assert files and files == sorted(f.name for f in outs["several"].glob("*.safetensors"))
     for f in files:
         assert (outs["one"] / f).read_bytes() == (outs["several"] / f).read_bytes(), f
+
+
+def test_a_checkpoints_stats_are_a_snapshot_the_next_layers_do_not_write_into():
+    """engine/layerwise.py takes a checkpoint's stats after layer i and writes them at its commit, while layer i+1
+    runs: what that layer appends (its AWQ searches, its errors) must not reach the snapshot, or a resume reports
+    them twice (seen as a flaky test_awq_resume_from_a_layer_checkpoint_gives_the_uninterrupted_bytes under load)."""
+    from quantize.engine.layerwise import Stats
+
+    stats = Stats()
+    stats.awq.append({"layer": 1, "smooth": "input_layernorm"})
+    stats.error["attention"].append(0.1)
+    snapshot = stats.to_dict()
+    stats.awq.append({"layer": 2, "smooth": "input_layernorm"})
+    stats.awq[0]["ratio"] = 0.5
+    stats.error["attention"].append(0.2)
+    assert snapshot["awq"] == [{"layer": 1, "smooth": "input_layernorm"}]
+    assert snapshot["error"] == {"attention": [0.1]}

@@ -160,7 +160,11 @@ class Stats:
         return {k: sum(v) / len(v) for k, v in sorted(self.error.items())}
 
     def to_dict(self) -> dict:
-        return {"layers": [asdict(x) for x in self.layers], "error": dict(self.error), "awq": self.awq}
+        """A copy: a layer checkpoint's snapshot is taken after layer i and written at its commit, while the next
+        layers' results are appended here (shared lists would carry them into the checkpoint, and a resume would
+        report them twice)."""
+        return {"layers": [asdict(x) for x in self.layers], "error": {k: list(v) for k, v in self.error.items()},
+                "awq": [dict(a) for a in self.awq]}
 
     def restore(self, saved: dict) -> None:
         for x in saved.get("layers", []):
