@@ -10,6 +10,7 @@
     python scripts/bench.py moe-ranks [--experts 128 --hidden 512 --moe-inter 512] [--old REV] [--json FILE]
     python scripts/bench.py awq-moe [--moe-layers 8] [--ranks 2,3] [--old REV] [--hidden 2048 --moe-inter 1280] [--json FILE]
     python scripts/bench.py gptq --dither 0.25 --seeds 0,1,2,3 --scales minmax,hessian --rtn-samples 32
+    python scripts/bench.py gptq --dither 0.25 --seeds 0,1,2,3 --scales hessian --autoround 50,200 --resume
     python scripts/bench.py experts [--tokens 64,192,576,2304] [--dampings 0.01,0.03,0.1,0.3] [--json FILE]
     python scripts/bench.py search-cost [--stack 2 --hidden 7168 --moe-inter 2048] [--device cpu|cuda] [--json FILE]
 
@@ -48,6 +49,7 @@ the two outputs are compared byte for byte. Needs the `bench` extra (llmcompress
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -214,6 +216,86 @@ def measure(cmd: list[str], report: Path | None = None) -> dict:
         out |= {"conversion_seconds": got.get("seconds"), "phases": got.get("phases", {}),
                 "phases_cpu": got.get("phases_cpu", {})}
     return out
+
+
+def machine() -> dict:
+    """What a run's time and bytes depend on besides its command and code: the CPU (bf16 rounds otherwise, and runs
+    at another speed, on another vector unit), the cores, and the library versions the tools run on."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from quantize.compute import cpu_capability
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "") if Path("/proc/cpuinfo").exists() else ""
+    libs = {}
+    for lib in ("torch", "transformers", "compressed-tensors", "llmcompressor"):
+        try:
+            libs[lib] = version(lib)
+        except PackageNotFoundError:
+            libs[lib] = None
+    return {"cpu": cpu, "cpu_capability": cpu_capability(), "cores": os.cpu_count(), **libs}
+
+
+def package_digest() -> str:
+    """sha256 of the quantize package's sources: a run of ours is only as good as the code that made it."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for f in sorted((root / "quantize").rglob("*.py")):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+class Ledger:
+    """The runs a bench has finished, kept in WORK/ledger.json as each ends, so that one comparison can outlast a
+    session: `--resume` takes a run from it instead of running it again where the command, the machine (machine())
+    and, for a run of ours, the quantize package's sources (package_digest()) are the ones recorded and its output
+    is still whole on disk. auto-round's default takes about 50 minutes a draw on 2 cores, and four draws of every
+    tool side by side are 5 hours: longer than a session.
+
+    Each record keeps the system's load average when the run began and ended (a run not alone shows it) and when it
+    was recorded; a perplexity, once measured, is kept beside its run. A run that was cut off has no record and runs
+    again, from a fresh folder."""
+
+    def __init__(self, path: Path, resume: bool):
+        self.path, self.resume = path, resume
+        self.records = json.loads(path.read_text()) if path.exists() else {}
+        self.reused: list[str] = []
+
+    @staticmethod
+    def key(cmd: list[str]) -> str:
+        ours = cmd[1:3] == ["-m", "quantize"]  # its results change with our code
+        blob = json.dumps({"cmd": cmd, "machine": machine(), "code": package_digest() if ours else None})
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def _save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.records, indent=1))
+        tmp.replace(self.path)
+
+    def run(self, name: str, cmd: list[str], out: Path) -> dict:
+        """`cmd` measured (measure()), which writes `out`, or with --resume its record where it still holds."""
+        key, rec = self.key(cmd), self.records.get(name)
+        if self.resume and rec and rec["key"] == key and out.is_dir() and any(out.rglob("config.json")):
+            self.reused.append(name)
+            return rec["run"]
+        fresh(out)
+        load = os.getloadavg()[0]
+        run = measure(cmd) | {"load_before": load, "load_after": os.getloadavg()[0]}
+        self.records[name] = {"key": key, "run": run, "recorded": time.strftime("%Y-%m-%d %H:%M:%S"),
+                              "machine": machine()}
+        self._save()
+        return run
+
+    def perplexity(self, name: str, folder: Path, measure_it) -> float:
+        """The perplexity of `name`'s output, measured once after its run."""
+        rec = self.records.get(name)
+        if rec is not None and "perplexity" in rec:
+            return rec["perplexity"]
+        value = measure_it()
+        if rec is not None:
+            rec["perplexity"] = value
+            self._save()
+        return value
 
 
 def best_of(runs: list[dict]) -> dict:
@@ -521,40 +603,41 @@ def bench_calibrated(args) -> dict:
         outs[f"llmc-{m}{tag(seed)}"] = work / f"smol-{args.scheme}-llmc-{m}{tag(seed)}"
         for iters in ar_iters:
             outs[f"autoround{iters}{tag(seed)}"] = work / f"smol-{args.scheme}-autoround{iters}{tag(seed)}"
-    for d in outs.values():
-        fresh(d)
+    if args.resume and args.repeat > 1:
+        raise SystemExit("--resume keeps one run of each tool a draw: leave out --repeat")
+    ledger = Ledger(work / "ledger.json", args.resume)
     common = ["--scheme", args.scheme, "--json", *(() if fp4 else ("--group-size", str(args.group_size)))]
-    rtn = measure([sys.executable, "-m", "quantize", "convert", str(src), str(outs["rtn"]), *common])
+    rtn = ledger.run("rtn", [sys.executable, "-m", "quantize", "convert", str(src), str(outs["rtn"]), *common],
+                     outs["rtn"])
     ref_rtn = None
     if fp4:  # FP4: the library's RTN too (A16: data-free)
-        ref_rtn = measure(oneshot(src, outs["llmc-rtn"], work / f"samples-{seeds[0]}.json", args.group_size, "rtn",
-                                 args.scheme))
+        ref_rtn = ledger.run("llmc-rtn", oneshot(src, outs["llmc-rtn"], work / f"samples-{seeds[0]}.json",
+                                                 args.group_size, "rtn", args.scheme), outs["llmc-rtn"])
     runs, ref_runs, cal_runs = {rule: [] for rule in rules}, [], []
     for seed in seeds:
         for _ in range(args.repeat):  # alternated, so that a slow spell of the machine weighs on every run alike
             ref = outs[f"llmc-{m}{tag(seed)}"]
             if cal_rtn:
-                fresh(outs[f"rtn-calib{tag(seed)}"])
-                cal_runs.append(measure([sys.executable, "-m", "quantize", "convert", str(src),
-                                         str(outs[f"rtn-calib{tag(seed)}"]), *common, "--calib", str(data),
-                                         "--num-samples", str(args.rtn_samples), "--seq-len", str(args.seq_len),
-                                         "--seed", str(seed)]))
+                out = outs[f"rtn-calib{tag(seed)}"]
+                cal_runs.append(ledger.run(out.name, [
+                    sys.executable, "-m", "quantize", "convert", str(src), str(out), *common, "--calib", str(data),
+                    "--num-samples", str(args.rtn_samples), "--seq-len", str(args.seq_len), "--seed", str(seed)], out))
             for rule in rules:
                 ours = outs[name(rule, seed)]
-                fresh(ours)
-                runs[rule].append(measure([sys.executable, "-m", "quantize", "convert", str(src), str(ours), *common,
-                                           "--method", m, "--calib", str(data), "--num-samples", str(args.num_samples),
-                                           "--seq-len", str(args.seq_len), "--seed", str(seed), *rule_flags(rule)]))
-            fresh(ref)
-            ref_runs.append(measure(oneshot(src, ref, work / f"samples-{seed}.json", args.group_size, m, args.scheme)))
+                runs[rule].append(ledger.run(ours.name, [
+                    sys.executable, "-m", "quantize", "convert", str(src), str(ours), *common, "--method", m, "--calib",
+                    str(data), "--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--seed",
+                    str(seed), *rule_flags(rule)], ours))
+            ref_runs.append(ledger.run(ref.name, oneshot(src, ref, work / f"samples-{seed}.json", args.group_size, m,
+                                                         args.scheme), ref))
             for iters in ar_iters:
-                fresh(outs[f"autoround{iters}{tag(seed)}"])
-                ar_runs[iters].append(measure(autoround(work, src, outs[f"autoround{iters}{tag(seed)}"],
-                                                        work / f"samples-{seed}.json", args.group_size, iters,
-                                                        args.scheme)))
+                out = outs[f"autoround{iters}{tag(seed)}"]
+                ar_runs[iters].append(ledger.run(out.name, autoround(work, src, out, work / f"samples-{seed}.json",
+                                                                     args.group_size, iters, args.scheme), out))
     ours, ref = best_of(runs[rules[0]]), best_of(ref_runs)
     text = PPL_TEXT.read_text()
-    ppl = {"bf16": perplexity(src, text)} | {n: perplexity(saved_model(d), text) for n, d in outs.items()}
+    ppl = {"bf16": perplexity(src, text)} | {
+        n: ledger.perplexity(d.name, d, lambda d=d: perplexity(saved_model(d), text)) for n, d in outs.items()}
     draws = [{"seed": seed, "ours": ppl[f"{m}{tag(seed)}"], "llmc": ppl[f"llmc-{m}{tag(seed)}"],
               "ratio": ppl[f"{m}{tag(seed)}"] / ppl[f"llmc-{m}{tag(seed)}"]} for seed in seeds]
     # per scale rule: the share of llm-compressor's gap to bf16 that it closes, draw by draw (paired)
@@ -625,6 +708,9 @@ def bench_calibrated(args) -> dict:
         "quantize_rtn": rtn, f"quantize_{m}": ours, f"llmc_oneshot_{m}": ref, "by_scale_rule": by_rule,
         "dither": args.dither,
         "speedup_vs_oneshot": ref["seconds"] / ours["seconds"],
+        # runs taken from an earlier invocation's ledger (--resume), each with when it was recorded and its load
+        "from_ledger": {n: {"recorded": ledger.records[n]["recorded"], "load_before": ledger.records[n]["run"]["load_before"]}
+                        for n in ledger.reused},
         "rss_ratio_vs_oneshot": ours["peak_rss"] / ref["peak_rss"], **extra,
     }
 
@@ -1163,6 +1249,9 @@ def main() -> None:
                            "on every draw, with this many samples (0: not run)")
         q.add_argument("--seeds", default="0", help="calibration draws, e.g. 0,1,2,3: both tools quantize each "
                        "seed's windows; the perplexities are reported per draw and as paired means")
+        q.add_argument("--resume", action="store_true", help="take each run from WORK's ledger where this machine "
+                       "ran the same command (ours: on the same quantize sources) and its output is still there; "
+                       "runs again what is missing (a comparison longer than a session, finished in parts)")
         q.add_argument("--work", default=".cache/bench")
         q.add_argument("--json", dest="json_out")
     def moe_parser(name, about, experts, hidden, inter, heads, num_samples, seq_len):
