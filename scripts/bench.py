@@ -25,7 +25,11 @@ layer's experts.
 symmetric by our RTN, our layerwise GPTQ (or AWQ) and llm-compressor's `oneshot` + GPTQModifier (or AWQModifier +
 QuantizationModifier) from the same calibration token windows of pydoc_data.topics (not shuffled); perplexity of
 each on /usr/share/common-licenses/GPL-3 (neither calibration nor evaluation data), wall time and peak RSS of ours
-and of oneshot in their own processes.
+and of oneshot in their own processes. Every finished run is kept in WORK's ledger.json as it ends (with the load
+average before and after it, and the machine); `--resume` takes a run from there instead of running it again
+where the command, the machine and, for ours, the quantize sources are the same and its output is still there:
+four draws of every tool with auto-round's default (`--autoround 50,200`: about 50 minutes a draw on 2 cores)
+take longer than a session, and finish in parts (Ledger).
 
 `scale`: our GPTQ and oneshot + GPTQModifier on a synthetic ~0.6B-parameter Llama (random bf16 weights), the same
 token ids, group 128: wall time and peak RSS where the model rather than the imports sets the reference's memory.
@@ -48,6 +52,7 @@ the two outputs are compared byte for byte. Needs the `bench` extra (llmcompress
 """
 
 import argparse
+import ast
 import dataclasses
 import hashlib
 import json
@@ -237,11 +242,20 @@ def machine() -> dict:
 
 
 def package_digest() -> str:
-    """sha256 of the quantize package's sources: a run of ours is only as good as the code that made it."""
+    """sha256 of the quantize package's code: a run of ours is only as good as the code that made it. Its syntax
+    trees without docstrings (comments are not in them), so that a measurement written into a docstring does not
+    make every run of ours stale."""
     h = hashlib.sha256()
     root = Path(__file__).resolve().parents[1]
     for f in sorted((root / "quantize").rglob("*.py")):
-        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+        tree = ast.parse(f.read_text())
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                    and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                    and isinstance(body[0].value.value, str)):
+                node.body = body[1:] or [ast.Pass()]
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + ast.dump(tree).encode() + b"\0")
     return h.hexdigest()
 
 

@@ -70,3 +70,19 @@ def test_a_perplexity_is_measured_once_per_run(tmp_path):
     assert len(measured) == 1
     bench.Ledger(tmp_path / "ledger.json", resume=False).run("ref", cmd, out)  # a new run: its own perplexity
     assert bench.Ledger(tmp_path / "ledger.json", resume=True).perplexity("ref", out, lambda: 21.0) == 21.0
+
+
+def test_the_code_digest_sees_code_not_docstrings_or_comments(tmp_path, monkeypatch):
+    """A measurement written into a docstring or a comment leaves the runs of ours valid; a changed line of code
+    does not."""
+    root = tmp_path / "repo"
+    (root / "quantize").mkdir(parents=True)
+    (root / "scripts").mkdir()
+    monkeypatch.setattr(bench, "__file__", str(root / "scripts" / "bench.py"))
+    mod = root / "quantize" / "m.py"
+    mod.write_text('"""A module."""\n\n\ndef f():\n    """Its doc."""\n    return 1  # why\n')
+    first = bench.package_digest()
+    mod.write_text('"""A module: measured 31.25."""\n\n\ndef f():\n    """Its doc, longer."""\n    return 1  # why not\n')
+    assert bench.package_digest() == first
+    mod.write_text('"""A module."""\n\n\ndef f():\n    """Its doc."""\n    return 2  # why\n')
+    assert bench.package_digest() != first
