@@ -621,11 +621,11 @@ def bench_calibrated(args) -> dict:
         raise SystemExit("--resume keeps one run of each tool a draw: leave out --repeat")
     ledger = Ledger(work / "ledger.json", args.resume)
     common = ["--scheme", args.scheme, "--json", *(() if fp4 else ("--group-size", str(args.group_size)))]
-    rtn = ledger.run("rtn", [sys.executable, "-m", "quantize", "convert", str(src), str(outs["rtn"]), *common],
+    rtn = ledger.run(outs["rtn"].name, [sys.executable, "-m", "quantize", "convert", str(src), str(outs["rtn"]), *common],
                      outs["rtn"])
     ref_rtn = None
     if fp4:  # FP4: the library's RTN too (A16: data-free)
-        ref_rtn = ledger.run("llmc-rtn", oneshot(src, outs["llmc-rtn"], work / f"samples-{seeds[0]}.json",
+        ref_rtn = ledger.run(outs["llmc-rtn"].name, oneshot(src, outs["llmc-rtn"], work / f"samples-{seeds[0]}.json",
                                                  args.group_size, "rtn", args.scheme), outs["llmc-rtn"])
     runs, ref_runs, cal_runs = {rule: [] for rule in rules}, [], []
     for seed in seeds:
