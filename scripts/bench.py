@@ -225,10 +225,12 @@ def measure(cmd: list[str], report: Path | None = None) -> dict:
 
 def machine() -> dict:
     """What a run's time and bytes depend on besides its command and code: the CPU (bf16 rounds otherwise, and runs
-    at another speed, on another vector unit), the cores, and the library versions the tools run on."""
+    at another speed, on another vector unit), the cores this process may use (a container's cpuset, not the
+    host's count), and the library versions the tools run on."""
     from importlib.metadata import PackageNotFoundError, version
 
     from quantize.compute import cpu_capability
+    from quantize.machine import cores
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "") if Path("/proc/cpuinfo").exists() else ""
@@ -238,7 +240,7 @@ def machine() -> dict:
             libs[lib] = version(lib)
         except PackageNotFoundError:
             libs[lib] = None
-    return {"cpu": cpu, "cpu_capability": cpu_capability(), "cores": os.cpu_count(), **libs}
+    return {"cpu": cpu, "cpu_capability": cpu_capability(), "cores": cores(), **libs}
 
 
 def package_digest() -> str:

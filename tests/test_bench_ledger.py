@@ -86,3 +86,12 @@ def test_the_code_digest_sees_code_not_docstrings_or_comments(tmp_path, monkeypa
     assert bench.package_digest() == first
     mod.write_text('"""A module."""\n\n\ndef f():\n    """Its doc."""\n    return 2  # why\n')
     assert bench.package_digest() != first
+
+
+def test_the_machine_counts_the_cores_this_process_may_use_not_the_hosts(monkeypatch):
+    # a container's cpuset (or taskset) below the host's count: its runs are slower, so they are another machine
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert bench.machine()["cores"] == 1
