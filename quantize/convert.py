@@ -328,6 +328,8 @@ def _result(plan, result, r, calibrated, dev: str) -> Result:
     report["serving"] = {k: [row.to_dict() for row in v] for k, v in matrices.items()}
     stats = calibrated.quantizer.stats if calibrated is not None and calibrated.quantizer is not None else None
     if stats is not None:
+        from quantize.engine import tune as tuning
+
         account = calibrated.account
         report["calibration"] = {
             "compute_dtype": str(calibrated.compute).removeprefix("torch."),
@@ -338,7 +340,9 @@ def _result(plan, result, r, calibrated, dev: str) -> Result:
             "scales": {"gptq": r.gptq.scales, "rtn": "inputs-x2", "awq": "awq"}[r.method],
             **({"gptq": {"scales": r.gptq.scales, "dampening": r.gptq.dampening,
                          "dampening_frac": r.gptq.dampening_frac, "tune_iters": r.gptq.iters,
-                         "tune_samples": r.gptq.samples(r.scheme.grid), "tune_holdout": r.gptq.tune_holdout}}
+                         "tune_samples": r.gptq.samples(r.scheme.grid), "tune_holdout": r.gptq.tune_holdout,
+                         # whether the attention's inputs were tuned (the recipe's, else the grid's rule)
+                         "tune_attention": tuning.tuned("self_attn.q_proj", r.scheme.grid, r.gptq.tune_attention)}}
                if r.method == "gptq" else {}),
             "memory": {"device": account.device, "layer": account.layer, "bytes": account.total, "free": account.free,
                        "parts": account.parts, "peak": _device_peak(dev)},

@@ -436,6 +436,62 @@ def test_the_tuning_runs_attention_once_per_sample_where_its_inputs_are_fixed_an
     assert len(calls) - with_cache == layers * (4 + 2), (len(calls), with_cache)
 
 
+def test_a_recipe_may_tune_the_attentions_inputs_on_int4_or_leave_them_out_on_fp4():
+    """gptq tune_attention decides for q/k/v (MLA's, an indexer's) on every grid; unset, the grid's rule holds
+    (tune.tuned). o_proj and the MLP are tuned either way."""
+    for m in ("self_attn.q_proj", "self_attn.kv_b_proj", "self_attn.indexer.wk"):
+        assert tune.tuned(m, "int4", True) and not tune.tuned(m, "nvfp4", False) and not tune.tuned(m, "mxfp4", False)
+        assert tune.tuned(m, "int4", None) is False and tune.tuned(m, "nvfp4", None) is True
+    assert all(tune.tuned(m, grid, False) for m in ("self_attn.o_proj", "mlp.down_proj") for grid in ("int4", "nvfp4"))
+
+
+def test_int4_with_the_attentions_inputs_tuned_moves_their_bytes_and_runs_attention_in_every_step(
+        fixtures_dir, tmp_path, monkeypatch):
+    """Through a recipe file: `gptq: {tune_attention: true}` on INT4 tunes q/k/v (their bytes move from the
+    default's, which keeps GPTQ's there), so o_proj's input moves each step and attention runs in every forward
+    (no cache); the report says so. A value that is not a boolean is refused."""
+    from safetensors import safe_open
+    from transformers.models.llama import modeling_llama
+
+    from quantize import recipe
+    from quantize.convert import Events, Options, convert
+    from quantize.errors import UsageError
+
+    calib = calibration_samples(tmp_path, 16)
+    yaml = ("method: gptq\nscheme: {num_bits: 4, group_size: 32, symmetric: true, strategy: group}\n"
+            "targets: [Linear]\nignore: [lm_head]\ngptq: {tune_iters: 4%s}\n"
+            f"calibration: {{data: {calib}, num_samples: 8, seq_len: 48}}\n")
+    monkeypatch.setattr(signround, "LR", rates(SMALL_STEPS[0]))
+    monkeypatch.setattr(signround, "SCALE_LR", SMALL_STEPS[1])
+    calls = []
+    real = modeling_llama.LlamaAttention.forward
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward",
+                        lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    runs = {}
+    for name, extra in (("default", ""), ("tuned", ", tune_attention: true")):
+        (tmp_path / f"{name}.yaml").write_text(yaml % extra)
+        calls.clear()
+        runs[name] = convert(str(fixtures_dir / "llama-bf16"), tmp_path / name,
+                             Options(recipe_path=str(tmp_path / f"{name}.yaml"), device="cpu"), Events())
+        runs[name] = (runs[name].report, len(calls))
+
+    def tensors(out, kind):
+        with safe_open(next((tmp_path / out).glob("*.safetensors")), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys() if kind in k}
+    assert runs["default"][0]["calibration"]["gptq"]["tune_attention"] is False
+    assert runs["tuned"][0]["calibration"]["gptq"]["tune_attention"] is True
+    assert any(after < before for before, after in _layer_errors(runs["tuned"][0]))
+    q_default, q_tuned = tensors("default", "q_proj"), tensors("tuned", "q_proj")
+    assert q_default and any(not torch.equal(q_default[k], q_tuned[k]) for k in q_default)
+    # per layer and 8 samples, 4 to a forward: 4 steps and the errors before and after (2 forwards each) run
+    # attention here, where the default serves them from the cache after the first
+    layers = runs["tuned"][0]["calibration"]["layers"]
+    assert runs["tuned"][1] - runs["default"][1] == layers * (4 + 2)
+    with pytest.raises(UsageError, match="tune_attention true, false"):
+        recipe.from_dict({"method": "gptq", "scheme": {"num_bits": 4, "group_size": 32},
+                          "gptq": {"tune_attention": "yes"}, "calibration": {"data": "x.jsonl"}}, "r.yaml")
+
+
 def test_the_attention_cache_is_off_where_attentions_inputs_are_tuned_and_recomputes_under_other_weights():
     """FP4 tunes q/k/v (tune.tuned): their output moves each step, so no cache. A forward under other attention
     weights than those a context was recorded under (the float weights, say) records anew instead of serving it."""
@@ -620,7 +676,13 @@ def test_the_model_card_says_when_the_layers_were_tuned():
         repo_id="me/x", base_model=None, license=None, plan_summary={}, src_bytes=1, out_bytes=1, capacity=None,
         setup=SimpleNamespace(tp=1), gate_markdown=None, tp_sizes=[1], remote_code=False, architecture="llama",
         recipe=dataclasses.replace(r, gptq=dataclasses.replace(r.gptq, tune_iters=n))) for n in (0, 20)}
-    assert "tuned towards the float model's output (20 signed steps" in cards[20] and "tuned" not in cards[0]
+    assert "tuned towards the float model's output (20 signed steps over 32 samples, the attention's inputs kept as " \
+        "GPTQ solved them, kept" in cards[20] and "tuned" not in cards[0]
+    both = release.model_card(
+        repo_id="me/x", base_model=None, license=None, plan_summary={}, src_bytes=1, out_bytes=1, capacity=None,
+        setup=SimpleNamespace(tp=1), gate_markdown=None, tp_sizes=[1], remote_code=False, architecture="llama",
+        recipe=dataclasses.replace(r, gptq=dataclasses.replace(r.gptq, tune_samples=128, tune_attention=True)))
+    assert "(40 signed steps over 128 samples, kept where" in both
     held = release.model_card(
         repo_id="me/x", base_model=None, license=None, plan_summary={}, src_bytes=1, out_bytes=1, capacity=None,
         setup=SimpleNamespace(tp=1), gate_markdown=None, tp_sizes=[1], remote_code=False, architecture="llama",

@@ -862,15 +862,17 @@ class LayerwiseQuantizer:
     def _tune(self, layer: nn.Module, i: int, solved: dict[str, tuple], targets: dict[str, Entry],
               report: LayerReport) -> dict[str, tuple]:
         """GPTQ's results of layer i's dense Linears tuned on the layer's output: (codes, Params, fallback) each.
-        INT4's attention inputs (tuning.tuned), a Linear whose GPTQ fell back to RTN, or whose groups keep an INT4
-        source's lattice, stay as solved, and run quantized in the tuning's forwards.
+        The attention's inputs where tuning.tuned leaves them out (INT4's, unless the recipe's tune_attention), a
+        Linear whose GPTQ fell back to RTN, or whose groups keep an INT4 source's lattice, stay as solved, and run
+        quantized in the tuning's forwards.
         The float path of the tuned and held-out samples moves on through the float layer (its outputs are the
         targets)."""
         p = self.recipe.gptq
         mods = dict(layer.named_modules())
         grid = self.recipe.scheme.grid
         tunables = {m: Tunable.of(self.recipe.scheme, r[3], r[1], mods[m].weight.data) for m, r in solved.items()
-                    if tuning.tuned(m, grid) and r[3] is not None and not r[2] and targets[m].tensor.encoding != "ct-int4"}
+                    if tuning.tuned(m, grid, p.tune_attention) and r[3] is not None and not r[2]
+                    and targets[m].tensor.encoding != "ct-int4"}
         kept = False
         if tunables:
             samples = tuning.subset(len(self.positions), p.samples(grid) + p.tune_holdout)

@@ -72,10 +72,11 @@ from quantize.quant.signround import Tunable
 PLAIN_ERROR = ("mxfp4",)
 
 
-def tuned(module: str, grid: str = "int4") -> bool:
+def tuned(module: str, grid: str = "int4", attention: bool | None = None) -> bool:
     """Whether a Linear of a dense layer (its name in the layer, e.g. "self_attn.q_proj") is tuned on `grid`
     ("int4", "nvfp4", "mxfp4"). On INT4, all but the attention's inputs (q/k/v, MLA's q_a/q_b/kv_a/kv_b, an
-    indexer's), which keep GPTQ's codes and scales; on the FP4 grids, all of them.
+    indexer's), which keep GPTQ's codes and scales; on the FP4 grids, all of them. attention: the recipe's gptq
+    tune_attention where it is set, which decides for the attention's inputs on every grid.
 
     Their gradient would have to cross attention's backward, and on a CPU that is the tuning's largest cost: in a
     SmolLM2 step (4 x 512 tokens, bf16, Intel Xeon with AMX) the flash-attention backward took 22 ms against its
@@ -86,7 +87,10 @@ def tuned(module: str, grid: str = "int4") -> bool:
     0.86x). On NVFP4 leaving them out cost 0.22 and 0.35 (draws 0 / 2: 30.17 / 31.07 against 29.95 / 30.72), and
     there the time is not short (auto-round's `nv_fp` took 1.34x ours on its last bench alone, 970 s against 722 s,
     and ours is faster since), so the FP4 grids tune them."""
-    return grid != "int4" or not module.startswith("self_attn.") or module.endswith("o_proj")
+    attention_input = module.startswith("self_attn.") and not module.endswith("o_proj")
+    if attention is not None:  # the recipe's gptq tune_attention
+        return attention or not attention_input
+    return grid != "int4" or not attention_input
 
 
 # The last HEAD_LAYERS decoder layers are tuned on the logits (Head): the last through the model's final norm and
