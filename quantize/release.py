@@ -177,9 +177,9 @@ def model_card(*, repo_id: str, base_model: str | None, license: str | None, rec
         g = recipe.gptq
         scale_rule = "chosen by the Hessian" if g.scales == "hessian" else "min/max"
         held = f" on {g.tune_holdout} held-out samples)" if g.tune_holdout else ")"
-        from quantize.engine.tune import tuned
+        from quantize.engine.tune import tunes_attention
 
-        attention = "" if tuned("self_attn.q_proj", recipe.scheme.grid, g.tune_attention) else \
+        attention = "" if tunes_attention(recipe.scheme.grid, g.tune_attention) else \
             ", the attention's inputs kept as GPTQ solved them"
         lines.append(f"| GPTQ | scales {scale_rule}; dampening {g.dampening_frac} of the mean diagonal"
                      + (", more for experts routed fewer tokens than their width" if g.dampening == "tokens" else "")

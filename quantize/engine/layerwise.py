@@ -238,6 +238,8 @@ class LayerwiseQuantizer:
         # the float model's hidden states of the tuned and held-out samples entering the next layer (engine/tune.py);
         # empty where they are the quantized path's own: at the start, and after a layer that was not tuned
         self.float_path: dict[int, torch.Tensor] = {}
+        # the samples whose output of the layer in hand the tuning has already put in place of their input (rank 0)
+        self.advanced: set[int] = set()
         self._logit_end: list | None = None  # [(final norm, lm_head's weight) or None] while the last layers tune
         self._shared: tuple = (None, None)  # (length, layer type), (mask, rotary embeddings)
         self.rotary = type(self.skeleton.model.rotary_emb)(config=self.config).to(self.device)
@@ -480,6 +482,8 @@ class LayerwiseQuantizer:
         # inference mode, not just no_grad: ~12% less dispatch overhead per forward (measured on a SmolLM2 layer)
         with torch.inference_mode():
             for s in self.mine:
+                if advance and s in self.advanced:
+                    continue  # the tuning has put its output there (_advance)
                 if before_sample is not None:
                     before_sample(s)
                 h, pos = self.hidden[self._slot(s)], self.positions[s]
@@ -538,6 +542,7 @@ class LayerwiseQuantizer:
         and their experts, in the same order of exchanges."""
         t0 = time.perf_counter()
         distributed.layer[0] = i
+        self.advanced = set()
         targets = self._layer_targets(i)
         if self.dp:
             self._exchange_inputs()
@@ -679,7 +684,11 @@ class LayerwiseQuantizer:
                     distributed.send(self.hidden[self._slot(s)], 0)
                     distributed.send_any(self.carry[s], 0)
                 else:
-                    self.hidden[s] = distributed.recv(self._empty_hidden(s), r)
+                    h = distributed.recv(self._empty_hidden(s), r)
+                    # a sample the tuning advanced keeps rank 0's output: the bytes of one rank (each rank runs its
+                    # share whatever rank 0's tuning decided, so the messages never depend on it)
+                    if s not in self.advanced:
+                        self.hidden[s] = h
                     self.carry[s] = distributed.recv_any(r, self.device)
             if amax is None:
                 continue
@@ -893,12 +902,23 @@ class LayerwiseQuantizer:
             cache = AttentionCache.of(layer, list(tunables))
             # the last layers' error is measured through the final norm and lm_head (tuning.Head)
             head = self._head(i, float_out) if tuning.on_logits(i, self.model.num_hidden_layers, grid) else None
+            def stored() -> dict[str, torch.Tensor]:  # the tuned weights as _commit will put them in the layer
+                return {m: codec.dequantize(self.recipe.scheme, t.codes(), t.params(solved[m][1])).to(self.compute)
+                        for m, t in tunables.items()}
+
+            # the tuned samples' outputs under the kept weights take their inputs' place now, and the pass through
+            # the quantized layer skips them (_run); not where that pass observes K and V for the KV cache's
+            # scales, or carries GLM-5's top-k indices on, which the tuning's forwards do not
+            emit = None
+            if self.recipe.kv_cache is None and not takes_topk(layer):
+                self._wait_for_checkpoint()  # the previous layer's checkpoint may still read these activations
+                emit = self._advance
             before, after = tuning.tune_layer(partial(self._tuning_forward, layer, i, cache=cache), float_out, tunables,
                                               p.iters, p.tune_batch, self.compute,
                                               seed=self.recipe.calibration.seed * 100003 + i, gptq=gptq,
                                               held=tuning.split(samples, p.tune_holdout)[1],
                                               per_channel=self.recipe.scheme.fp4 not in tuning.PLAIN_ERROR,
-                                              fixed=fixed, head=head)
+                                              fixed=fixed, head=head, final=stored, emit=emit)
             report.tuned = [before, after]
             kept = after < before
             self.float_path = {s: self._kept(y) for s, y in float_out.items()}
@@ -909,6 +929,12 @@ class LayerwiseQuantizer:
                 codes, params = t.codes(), t.params(params)
             out[m] = (codes, params, fallback)
         return out
+
+    def _advance(self, s: int, y: torch.Tensor) -> None:
+        """Sample s's output of the quantized layer, computed by the tuning, in place of its input (as _run's pass
+        would put it there, which then skips it)."""
+        self.hidden[s] = y
+        self.advanced.add(s)
 
     def _head(self, i: int, float_out: dict[int, torch.Tensor]) -> "tuning.Head | None":
         """Layer i's Head (tuning.Head), its Fisher information from `float_out`: what follows the last decoder

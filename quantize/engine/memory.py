@@ -94,11 +94,15 @@ def layer_parts(layer: Layer, tokens: int, seq_len: int, hidden: int, itemsize: 
              "staging": stage_bytes, "NCCL communicators": comm_bytes}
     batch, samples = layer.tune
     if batch:  # one step's forward kept for its backward, the float path's targets of the tuned samples, and their
-        # attention contexts (engine/attention_cache.py: o_proj's inputs, counted at the widest input's width)
+        # attention contexts (engine/attention_cache.py: o_proj's inputs, counted at the widest input's width), and
+        # the judged samples' outputs held until the tuning is judged (tune.tune_layer's emit)
+        from quantize.engine.tune import JUDGED
+
         widest = max(layer.hessians, default=hidden)
         parts["tuning"] = (layer.weights // itemsize * TUNE_BYTES_PER_WEIGHT
                            + batch * seq_len * (12 * hidden + 6 * widest) * itemsize
-                           + samples * seq_len * (2 * hidden + widest) * itemsize)
+                           + samples * seq_len * (2 * hidden + widest) * itemsize
+                           + min(samples, JUDGED) * seq_len * hidden * itemsize)
         parts["logit head"] = layer.head
     if resident:
         act = tokens * hidden * itemsize

@@ -88,9 +88,13 @@ def tuned(module: str, grid: str = "int4", attention: bool | None = None) -> boo
     there the time is not short (auto-round's `nv_fp` took 1.34x ours on its last bench alone, 970 s against 722 s,
     and ours is faster since), so the FP4 grids tune them."""
     attention_input = module.startswith("self_attn.") and not module.endswith("o_proj")
-    if attention is not None:  # the recipe's gptq tune_attention
-        return attention or not attention_input
-    return grid != "int4" or not attention_input
+    return not attention_input or tunes_attention(grid, attention)
+
+
+def tunes_attention(grid: str = "int4", attention: bool | None = None) -> bool:
+    """Whether the attention's inputs are tuned on `grid` (tuned's rule): the recipe's gptq tune_attention where it
+    is set, else every grid but INT4. The report and the model card say which."""
+    return attention if attention is not None else grid != "int4"
 
 
 # The last HEAD_LAYERS decoder layers are tuned on the logits (Head): the last through the model's final norm and
@@ -200,6 +204,11 @@ class Head:
         return 0.5 * ((d @ self.fisher) * d).sum(-1).mean()
 
 
+# The tuning's error before and after the steps is judged over this many of the tuned samples (spread among them)
+# where none are held out: each judgement is two passes over them, and over 128 tuned samples those passes were a
+# third of the tuning's time. Measured: README, issue 39
+JUDGED = 32
+
 # forward(samples, weights): the layer's output for each of `samples` (a list of [1, tokens, hidden]), its modules'
 # weights replaced by `weights` (module name -> weight); run with gradients when `weights` needs them
 Forward = Callable[[list[int], dict[str, torch.Tensor]], list[torch.Tensor]]
@@ -224,14 +233,19 @@ def tune_layer(forward: Forward, targets: dict[int, torch.Tensor], tunables: dic
                batch: int, dtype: torch.dtype, seed: int,
                gptq: dict[str, torch.Tensor] | None = None, held: list[int] | None = None,
                per_channel: bool = True, fixed: dict[str, torch.Tensor] | None = None,
-               head: Head | None = None) -> tuple[float, float]:
+               head: Head | None = None, final: Callable[[], dict[str, torch.Tensor]] | None = None,
+               emit: Callable[[int, torch.Tensor], None] | None = None) -> tuple[float, float]:
     """Tune `tunables` (by their module names in the layer) towards `targets` (sample -> the float path's output).
 
     Each step takes `batch` of the samples not in `held` through one forward. gptq: GPTQ's dequantized weights by
     module name, where the tunables did not start from them (else their start is GPTQ's). Returns the output error
-    (_error) over the `held` samples (over the tuned ones when there are none) under GPTQ's weights and after the
-    steps; when after is not lower, every tunable is reset to its start and the caller keeps GPTQ's codes and
-    scales. per_channel: the error weighs each channel by channel_weights (else plain squared error). fixed: the
+    (_error) over the `held` samples (else over JUDGED of the tuned ones, spread among them) under GPTQ's weights and
+    after the steps, under `final()` where given (the tunables' weights as they will be stored: their scales
+    rounded to the stored dtype), else under their tuned weights; when after is not lower, every tunable is reset
+    to its start and the caller keeps GPTQ's codes and scales. emit: where the tuning is kept, called with each
+    target sample and the layer's output under the kept weights (the judged samples' from the pass that judged
+    them, the others' computed after it), which the caller may keep in place of running the layer again.
+    per_channel: the error weighs each channel by channel_weights (else plain squared error). fixed: the
     dequantized weights of the layer's quantized Linears that are not tuned (module name -> weight), in every
     forward, so that the error is the quantized layer's. head: the model's end where this is its last layer: the
     error is then Head.error, and the steps take HEAD_RATE of the grid's rates."""
@@ -251,12 +265,19 @@ def tune_layer(forward: Forward, targets: dict[int, torch.Tensor], tunables: dic
         ys = forward(chunk, w)
         return sum(measure(y, targets[s]) for s, y in zip(chunk, ys, strict=True)) / len(chunk)
 
-    def error(given: dict[str, torch.Tensor] | None = None, over: list[int] = ()) -> float:
+    def error(given: dict[str, torch.Tensor] | None = None, over: list[int] = (),
+              outputs: dict[int, torch.Tensor] | None = None) -> float:
+        total = 0.0
         with torch.no_grad():
             w = weights(given)
-            return sum(float(loss(c, w)) * len(c) for c in chunks(over, batch)) / len(over)
+            for c in chunks(over, batch):
+                ys = forward(c, w)
+                total += sum(float(measure(y, targets[s])) for s, y in zip(c, ys, strict=True))
+                if outputs is not None:
+                    outputs |= {s: y.detach() for s, y in zip(c, ys, strict=True)}
+        return total / len(over)
 
-    judged = held or samples
+    judged = held or [samples[k] for k in subset(len(samples), JUDGED)]
     before = error(gptq, judged)
     gen = torch.Generator().manual_seed(seed)
     for it in range(iters):
@@ -266,10 +287,22 @@ def tune_layer(forward: Forward, targets: dict[int, torch.Tensor], tunables: dic
         lr = signround.schedule(it, iters) * (HEAD_RATE if head is not None else 1.0)
         for t in tunables.values():
             t.step(lr)
-    after = error(over=judged)
+    stored = final() if final is not None else None
+    outputs: dict[int, torch.Tensor] | None = {} if emit is not None else None
+    after = error(stored, judged, outputs)
     if after >= before:
         for t in tunables.values():
             t.reset()
+    elif emit is not None:
+        for s, y in outputs.items():
+            emit(s, y)
+        del outputs
+        rest = [s for s in targets if s not in set(judged)]
+        with torch.no_grad():
+            w = weights(stored)
+            for c in chunks(rest, batch):
+                for s, y in zip(c, forward(c, w), strict=True):
+                    emit(s, y.detach())
     return before, after
 
 
