@@ -341,8 +341,8 @@ def _result(plan, result, r, calibrated, dev: str) -> Result:
             **({"gptq": {"scales": r.gptq.scales, "dampening": r.gptq.dampening,
                          "dampening_frac": r.gptq.dampening_frac, "tune_iters": r.gptq.iters,
                          "tune_samples": r.gptq.samples(r.scheme.grid), "tune_holdout": r.gptq.tune_holdout,
-                         # whether the attention's inputs were tuned (the recipe's, else the grid's rule)
-                         "tune_attention": tuning.tunes_attention(r.scheme.grid, r.gptq.tune_attention)}}
+                         # whether the attention's inputs were tuned (unless the recipe's tune_attention is false)
+                         "tune_attention": tuning.tunes_attention(r.gptq.tune_attention)}}
                if r.method == "gptq" else {}),
             "memory": {"device": account.device, "layer": account.layer, "bytes": account.total, "free": account.free,
                        "parts": account.parts, "peak": _device_peak(dev)},

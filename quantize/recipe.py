@@ -29,11 +29,10 @@ TUNE_ITERS = 40
 # the samples each grid tunes on where a recipe does not say (tune_samples). NVFP4 takes 128 (all of the bench's
 # 128 x 512 tokens): on the dithered SmolLM2 (NVFP4A16, draw 3; Intel Xeon with AMX, torch capability AVX512) 128 gave
 # 30.00 against 32's 30.73 with the offset in e2m1's spacing, and 29.55 against 30.26 in units of 1
-# (quant/signround.py), for 22% more time (714 s against 584, two converts side by side). INT4 keeps 32 for its
-# time, where its bar is auto-round light's (128 measured 31.01 / 30.75 / 31.58 against 31.09 / 31.72 / 31.32
-# on draws 0 / 2 / 3); MXFP4 for its perplexity
-# (128 measured 32.64 / 31.81 against 31.41 / 31.41 on draws 0 / 1)
-TUNE_SAMPLES = {"int4": 32, "nvfp4": 128, "mxfp4": 32}
+# (quant/signround.py), for 22% more time (714 s against 584, two converts side by side). INT4 takes 128 with the
+# attention's inputs tuned (README, issue 39: four draws' mean 30.76 against 32 samples' 30.98 with them kept as
+# solved); MXFP4 keeps 32 for its perplexity (128 measured 32.64 / 31.81 against 31.41 / 31.41 on draws 0 / 1)
+TUNE_SAMPLES = {"int4": 128, "nvfp4": 128, "mxfp4": 32}
 
 
 @dataclass(frozen=True)
@@ -59,9 +58,9 @@ class GPTQParams:
     # helps Gemma 3 and costs SmolLM2)
     tune_holdout: int = 0
     tune_batch: int = 4
-    # whether the attention's inputs (q/k/v; MLA's, an indexer's) are tuned too; unset, the grid's rule
-    # (engine/tune.py: `tuned`: INT4 keeps GPTQ's codes there for time, the FP4 grids tune them). Measured on INT4
-    # with tune_samples 128 (README, issue 39): four draws' mean 30.76 against the default's 30.98
+    # whether the attention's inputs (q/k/v; MLA's, an indexer's) are tuned too; unset, they are (engine/tune.py:
+    # `tuned`). false keeps GPTQ's codes there and skips attention in the steps: faster, and on INT4 with 32
+    # samples what the default was before issue 39 (four draws' mean 30.98 against 30.76)
     tune_attention: bool | None = None
 
     @property

@@ -179,7 +179,7 @@ def model_card(*, repo_id: str, base_model: str | None, license: str | None, rec
         held = f" on {g.tune_holdout} held-out samples)" if g.tune_holdout else ")"
         from quantize.engine.tune import tunes_attention
 
-        attention = "" if tunes_attention(recipe.scheme.grid, g.tune_attention) else \
+        attention = "" if tunes_attention(g.tune_attention) else \
             ", the attention's inputs kept as GPTQ solved them"
         lines.append(f"| GPTQ | scales {scale_rule}; dampening {g.dampening_frac} of the mean diagonal"
                      + (", more for experts routed fewer tokens than their width" if g.dampening == "tokens" else "")

@@ -271,18 +271,18 @@ def test_tuning_that_does_not_lower_the_error_leaves_gptqs_codes_and_scales(monk
     assert float(tunables["0"].offset.abs().max()) == 0 and float(tunables["0"].factor.abs().max()) == 0
 
 
-def test_the_attentions_inputs_are_not_tuned_and_run_quantized_in_every_forward():
-    """On INT4, q/k/v (and MLA's, an indexer's) keep GPTQ's result: their gradient would cross attention's
-    backward, the tuning's largest cost on a CPU (tune.tuned). The Linears that are not tuned still run quantized: every forward
-    gets their fixed weights, so the error judged is the quantized layer's."""
-    assert [m for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                        "self_attn.q_a_proj", "self_attn.kv_b_proj", "self_attn.indexer.wk", "mlp.gate_proj",
-                        "mlp.up_proj", "mlp.down_proj", "mlp.shared_experts.down_proj") if tune.tuned(m)] == \
+def test_a_recipe_may_keep_the_attentions_inputs_and_they_run_quantized_in_every_forward():
+    """Every dense Linear is tuned unless the recipe's tune_attention is false: then q/k/v (and MLA's, an
+    indexer's) keep GPTQ's result, and skip their gradient across attention's backward, the tuning's largest cost
+    on a CPU (tune.tuned). The Linears that are not tuned still run quantized: every forward gets their fixed
+    weights, so the error judged is the quantized layer's."""
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_a_proj",
+             "self_attn.kv_b_proj", "self_attn.indexer.wk", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+             "mlp.shared_experts.down_proj")
+    assert [m for m in names if tune.tuned(m, False)] == \
         ["self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.shared_experts.down_proj"]
-    # the FP4 grids tune them all: leaving q/k/v out cost NVFP4 0.22 and 0.35 where the time was not short
-    assert all(tune.tuned(m, grid) for m in ("self_attn.q_proj", "self_attn.kv_b_proj", "self_attn.indexer.wk")
-               for grid in ("nvfp4", "mxfp4"))
-    assert not tune.tuned("self_attn.q_proj", "int4")
+    assert all(tune.tuned(m) and tune.tuned(m, True) for m in names)
+    assert tune.tunes_attention(None) and tune.tunes_attention(True) and not tune.tunes_attention(False)
     forward, targets, values, scale = _toy()
     seen = []
     fixed = torch.zeros(3, 3)
@@ -388,12 +388,12 @@ def test_convert_with_tuning_reports_each_layer_and_keeps_gptqs_bytes_where_noth
     assert any(after < before for before, after in errors), errors
     assert "tuned_error" not in plain.report["calibration"]
     assert shard_bytes(tmp_path / "plain") != shard_bytes(tmp_path / "tuned")
-    # in the first layer (whose inputs the tuning has not moved) the attention's inputs keep GPTQ's codes and
-    # scales (tune.tuned), and what follows attention moved
+    # in the first layer (whose inputs the tuning has not moved) the attention's inputs moved (tune.tuned), and so
+    # did what follows attention
     plain_t, tuned_t = _tensors(tmp_path / "plain"), _tensors(tmp_path / "tuned")
     first = [n for n in plain_t if n.startswith("model.layers.0.") and "weight_packed" in n]
     qkv = [n for n in first if any(f"self_attn.{p}_proj." in n for p in "qkv")]
-    assert len(qkv) == 3 and all(torch.equal(plain_t[n], tuned_t[n]) for n in qkv)
+    assert len(qkv) == 3 and any(not torch.equal(plain_t[n], tuned_t[n]) for n in qkv)
     assert any(not torch.equal(plain_t[n], tuned_t[n]) for n in first if n not in qkv)
 
     monkeypatch.setattr(signround, "LR", rates(0.0))
@@ -417,23 +417,35 @@ def _count_attention(monkeypatch) -> list:
     return calls
 
 
-def test_the_tuning_runs_attention_once_per_sample_where_its_inputs_are_fixed_and_gives_the_same_bytes(
-        fixtures_dir, tmp_path, monkeypatch):
-    """INT4 leaves attention's inputs as solved, so o_proj's input is the same in every step: the tuning records it
-    on each sample's first quantized forward and then skips attention (engine/attention_cache.py). The bytes are
-    those of a run that recomputes attention in every forward, and attention runs far less often."""
-    from quantize.convert import Events, Options, convert
-    from quantize.engine import layerwise
+def _tuning_recipe(tmp_path, name: str, gptq: str = ""):
+    """convert's Options for a recipe file: INT4 g32 GPTQ of every Linear but lm_head, 4 tuning steps and `gptq`'s
+    further keys, over 8 samples of 48 tokens."""
+    from quantize.convert import Options
 
     calib = calibration_samples(tmp_path, 16)
-    opts = dict(scheme="w4a16", group_size=32, method="gptq", calib=str(calib), num_samples=8, seq_len=48,
-                device="cpu", tune_iters=4)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text("method: gptq\nscheme: {num_bits: 4, group_size: 32, symmetric: true, strategy: group}\n"
+                    f"targets: [Linear]\nignore: [lm_head]\ngptq: {{tune_iters: 4{gptq}}}\n"
+                    f"calibration: {{data: {calib}, num_samples: 8, seq_len: 48}}\n")
+    return Options(recipe_path=str(path), device="cpu")
+
+
+def test_the_tuning_runs_attention_once_per_sample_where_its_inputs_are_fixed_and_gives_the_same_bytes(
+        fixtures_dir, tmp_path, monkeypatch):
+    """A recipe that keeps attention's inputs as solved (tune_attention false): o_proj's input is the same in every
+    step, so the tuning records it on each sample's first quantized forward and then skips attention
+    (engine/attention_cache.py). The bytes are those of a run that recomputes attention in every forward, and
+    attention runs far less often."""
+    from quantize.convert import Events, convert
+    from quantize.engine import layerwise
+
+    opts = _tuning_recipe(tmp_path, "kept", ", tune_attention: false")
     calls = _count_attention(monkeypatch)
-    cached = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "cached", Options(**opts), Events())
+    cached = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "cached", opts, Events())
     with_cache = len(calls)
     calls.clear()
     monkeypatch.setattr(layerwise.AttentionCache, "of", classmethod(lambda cls, layer, tuned: None))
-    every = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "every", Options(**opts), Events())
+    every = convert(str(fixtures_dir / "llama-bf16"), tmp_path / "every", opts, Events())
     assert any(after < before for before, after in _layer_errors(cached.report))  # the steps moved something
     assert _layer_errors(cached.report) == _layer_errors(every.report)
     assert shard_bytes(tmp_path / "cached") == shard_bytes(tmp_path / "every")
@@ -496,60 +508,44 @@ def test_a_kept_tunings_outputs_are_the_quantized_layers_and_its_pass_runs_only_
 
 
 
-def test_a_recipe_may_tune_the_attentions_inputs_on_int4_or_leave_them_out_on_fp4():
-    """gptq tune_attention decides for q/k/v (MLA's, an indexer's) on every grid; unset, the grid's rule holds
-    (tune.tuned). o_proj and the MLP are tuned either way."""
-    for m in ("self_attn.q_proj", "self_attn.kv_b_proj", "self_attn.indexer.wk"):
-        assert tune.tuned(m, "int4", True) and not tune.tuned(m, "nvfp4", False) and not tune.tuned(m, "mxfp4", False)
-        assert tune.tuned(m, "int4", None) is False and tune.tuned(m, "nvfp4", None) is True
-    assert all(tune.tuned(m, grid, False) for m in ("self_attn.o_proj", "mlp.down_proj") for grid in ("int4", "nvfp4"))
-    assert tune.tunes_attention("int4", True) and not tune.tunes_attention("int4", None)
-    assert tune.tunes_attention("mxfp4", None) and not tune.tunes_attention("nvfp4", False)
-
-
-def test_int4_with_the_attentions_inputs_tuned_moves_their_bytes_and_runs_attention_in_every_step(
+def test_the_attentions_inputs_are_tuned_unless_a_recipe_keeps_them_and_then_attention_runs_in_every_step(
         fixtures_dir, tmp_path, monkeypatch):
-    """Through a recipe file: `gptq: {tune_attention: true}` on INT4 tunes q/k/v (their bytes move from the
-    default's, which keeps GPTQ's there), so o_proj's input moves each step and attention runs in every forward
-    (no cache); the report says so. A value that is not a boolean is refused."""
+    """Through recipe files: by default q/k/v are tuned (their bytes move from those of `gptq: {tune_attention:
+    false}`, which keeps GPTQ's there), so o_proj's input moves each step and attention runs in every forward (no
+    cache); the report says which. A value that is not a boolean is refused."""
     from safetensors import safe_open
 
     from quantize import recipe
-    from quantize.convert import Events, Options, convert
+    from quantize.convert import Events, convert
     from quantize.errors import UsageError
 
-    calib = calibration_samples(tmp_path, 16)
-    yaml = ("method: gptq\nscheme: {num_bits: 4, group_size: 32, symmetric: true, strategy: group}\n"
-            "targets: [Linear]\nignore: [lm_head]\ngptq: {tune_iters: 4%s}\n"
-            f"calibration: {{data: {calib}, num_samples: 8, seq_len: 48}}\n")
     calls = _count_attention(monkeypatch)
     runs = {}
-    for name, extra in (("default", ""), ("tuned", ", tune_attention: true")):
-        (tmp_path / f"{name}.yaml").write_text(yaml % extra)
+    for name, extra in (("kept", ", tune_attention: false"), ("tuned", "")):
         calls.clear()
-        runs[name] = convert(str(fixtures_dir / "llama-bf16"), tmp_path / name,
-                             Options(recipe_path=str(tmp_path / f"{name}.yaml"), device="cpu"), Events())
+        runs[name] = convert(str(fixtures_dir / "llama-bf16"), tmp_path / name, _tuning_recipe(tmp_path, name, extra),
+                             Events())
         runs[name] = (runs[name].report, len(calls))
 
     def tensors(out, kind):
         with safe_open(next((tmp_path / out).glob("*.safetensors")), "pt") as f:
             return {k: f.get_tensor(k) for k in f.keys() if kind in k}
-    assert runs["default"][0]["calibration"]["gptq"]["tune_attention"] is False
+    assert runs["kept"][0]["calibration"]["gptq"]["tune_attention"] is False
     assert runs["tuned"][0]["calibration"]["gptq"]["tune_attention"] is True
     assert any(after < before for before, after in _layer_errors(runs["tuned"][0]))
-    q_default, q_tuned = tensors("default", "q_proj"), tensors("tuned", "q_proj")
-    assert q_default and any(not torch.equal(q_default[k], q_tuned[k]) for k in q_default)
+    q_kept, q_tuned = tensors("kept", "q_proj"), tensors("tuned", "q_proj")
+    assert q_kept and any(not torch.equal(q_kept[k], q_tuned[k]) for k in q_kept)
     # per layer and 8 samples, 4 to a forward: 4 steps and the errors before and after (2 forwards each) run
-    # attention here, where the default serves them from the cache after the first
+    # attention here, where tune_attention false serves them from the cache after the first
     layers = runs["tuned"][0]["calibration"]["layers"]
-    assert runs["tuned"][1] - runs["default"][1] == layers * (4 + 2)
+    assert runs["tuned"][1] - runs["kept"][1] == layers * (4 + 2)
     with pytest.raises(UsageError, match="tune_attention true, false"):
         recipe.from_dict({"method": "gptq", "scheme": {"num_bits": 4, "group_size": 32},
                           "gptq": {"tune_attention": "yes"}, "calibration": {"data": "x.jsonl"}}, "r.yaml")
 
 
 def test_the_attention_cache_is_off_where_attentions_inputs_are_tuned_and_recomputes_under_other_weights():
-    """FP4 tunes q/k/v (tune.tuned): their output moves each step, so no cache. A forward under other attention
+    """Where q/k/v are tuned (tune.tuned) their output moves each step, so no cache. A forward under other attention
     weights than those a context was recorded under (the float weights, say) records anew instead of serving it."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -693,13 +689,13 @@ def test_a_negative_tune_iters_is_refused_as_a_recipe_would_be(tmp_path):
                           "gptq": {"tune_samples": 0}, "calibration": {"data": "x.jsonl"}}, "r.yaml")
 
 
-def test_nvfp4_tunes_on_more_samples_than_int4_unless_the_recipe_says():
-    """The tuned samples are per grid where a recipe leaves them out (recipe.TUNE_SAMPLES: NVFP4 measured better on
-    128), and a recipe's own count holds on every grid."""
+def test_mxfp4_tunes_on_fewer_samples_than_int4_and_nvfp4_unless_the_recipe_says():
+    """The tuned samples are per grid where a recipe leaves them out (recipe.TUNE_SAMPLES: INT4 and NVFP4 measured
+    better on 128, MXFP4 on 32), and a recipe's own count holds on every grid."""
     from quantize import recipe
 
     assert [recipe.preset(s, 64, "gptq").gptq.samples(g) for s, g in
-            [("w4a16", "int4"), ("nvfp4a16", "nvfp4"), ("mxfp4a16", "mxfp4")]] == [32, 128, 32]
+            [("w4a16", "int4"), ("nvfp4a16", "nvfp4"), ("mxfp4a16", "mxfp4")]] == [128, 128, 32]
     r = recipe.from_dict({"method": "gptq", "scheme": {"num_bits": 4, "group_size": 32},
                           "gptq": {"tune_samples": 16}, "calibration": {"data": "x.jsonl"}}, "r.yaml")
     assert r.gptq.samples("nvfp4") == r.gptq.samples("int4") == 16
@@ -732,13 +728,13 @@ def test_the_model_card_says_when_the_layers_were_tuned():
         repo_id="me/x", base_model=None, license=None, plan_summary={}, src_bytes=1, out_bytes=1, capacity=None,
         setup=SimpleNamespace(tp=1), gate_markdown=None, tp_sizes=[1], remote_code=False, architecture="llama",
         recipe=dataclasses.replace(r, gptq=dataclasses.replace(r.gptq, tune_iters=n))) for n in (0, 20)}
-    assert "tuned towards the float model's output (20 signed steps over 32 samples, the attention's inputs kept as " \
-        "GPTQ solved them, kept" in cards[20] and "tuned" not in cards[0]
-    both = release.model_card(
+    assert "tuned towards the float model's output (20 signed steps over 128 samples, kept where" in cards[20] \
+        and "tuned" not in cards[0]
+    kept = release.model_card(
         repo_id="me/x", base_model=None, license=None, plan_summary={}, src_bytes=1, out_bytes=1, capacity=None,
         setup=SimpleNamespace(tp=1), gate_markdown=None, tp_sizes=[1], remote_code=False, architecture="llama",
-        recipe=dataclasses.replace(r, gptq=dataclasses.replace(r.gptq, tune_samples=128, tune_attention=True)))
-    assert "(40 signed steps over 128 samples, kept where" in both
+        recipe=dataclasses.replace(r, gptq=dataclasses.replace(r.gptq, tune_samples=32, tune_attention=False)))
+    assert "(40 signed steps over 32 samples, the attention's inputs kept as GPTQ solved them, kept where" in kept
     held = release.model_card(
         repo_id="me/x", base_model=None, license=None, plan_summary={}, src_bytes=1, out_bytes=1, capacity=None,
         setup=SimpleNamespace(tp=1), gate_markdown=None, tp_sizes=[1], remote_code=False, architecture="llama",

@@ -1,13 +1,13 @@
 """The attention's context (its output projection's input) of each tuned sample, kept from the sample's first forward
 of the quantized path, so that the tuning's later forwards skip attention (engine/tune.py).
 
-On INT4 the attention's inputs (q/k/v, MLA's projections, an indexer's) keep GPTQ's codes and are not tuned
-(tune.tuned), and a sample's input to the layer is the same in every step: so what reaches o_proj is the same in
-every step. On a SmolLM2 layer (4 x 512 tokens, bf16, Intel Xeon with AMX) the attention took 12 of a forward's 27 ms,
-and 10 of a tuning step's 67 with its backward. Every transformers attention this engine builds ends in `o_proj`
-and returns its output first (the decoder layer unpacks `hidden, _ = self.self_attn(...)`), which is all this
-relies on; the cached forward returns the same tuple shape with the rest None (the attention weights, which the
-layers drop).
+Where a recipe keeps the attention's inputs (q/k/v, MLA's projections, an indexer's) as GPTQ solved them (gptq
+tune_attention false: tune.tuned), a sample's input to the layer is the same in every step: so what reaches o_proj
+is the same in every step. On a SmolLM2 layer (4 x 512 tokens, bf16, Intel Xeon with AMX) the attention took 12
+of a forward's 27 ms, and 10 of a tuning step's 67 with its backward. Every transformers attention this engine
+builds ends in `o_proj` and returns its output first (the decoder layer unpacks `hidden, _ =
+self.self_attn(...)`), which is all this relies on; the cached forward returns the same tuple shape with the rest
+None (the attention weights, which the layers drop).
 """
 
 from contextlib import contextmanager

@@ -871,7 +871,7 @@ class LayerwiseQuantizer:
     def _tune(self, layer: nn.Module, i: int, solved: dict[str, tuple], targets: dict[str, Entry],
               report: LayerReport) -> dict[str, tuple]:
         """GPTQ's results of layer i's dense Linears tuned on the layer's output: (codes, Params, fallback) each.
-        The attention's inputs where tuning.tuned leaves them out (INT4's, unless the recipe's tune_attention), a
+        The attention's inputs where tuning.tuned leaves them out (the recipe's tune_attention false), a
         Linear whose GPTQ fell back to RTN, or whose groups keep an INT4 source's lattice, stay as solved, and run
         quantized in the tuning's forwards.
         The float path of the tuned and held-out samples moves on through the float layer (its outputs are the
@@ -880,7 +880,7 @@ class LayerwiseQuantizer:
         mods = dict(layer.named_modules())
         grid = self.recipe.scheme.grid
         tunables = {m: Tunable.of(self.recipe.scheme, r[3], r[1], mods[m].weight.data) for m, r in solved.items()
-                    if tuning.tuned(m, grid, p.tune_attention) and r[3] is not None and not r[2]
+                    if tuning.tuned(m, p.tune_attention) and r[3] is not None and not r[2]
                     and targets[m].tensor.encoding != "ct-int4"}
         kept = False
         if tunables:
@@ -898,7 +898,8 @@ class LayerwiseQuantizer:
             fixed = dequantized(m for m in solved if m not in tunables)
             # the error to beat is GPTQ's, not the start's
             gptq = dequantized(tunables) if self.recipe.scheme.fp4 in START_FROM_RTN else None
-            # attention's inputs fixed (INT4): its context is kept from each sample's first quantized forward
+            # attention's inputs fixed (tune_attention false): its context is kept from each sample's first quantized
+            # forward
             cache = AttentionCache.of(layer, list(tunables))
             # the last layers' error is measured through the final norm and lm_head (tuning.Head)
             head = self._head(i, float_out) if tuning.on_logits(i, self.model.num_hidden_layers, grid) else None

@@ -58,7 +58,7 @@ class Layer:
 # in the compute dtype (2 more); on FP4's e2m1 grid also the spacing the offset is counted in (float32, kept for the
 # offset's gradient) and the clamp's mask (1 byte); on MXFP4, which starts from round to nearest, GPTQ's weights in
 # the compute dtype, whose error the tuning must beat (2 more). Counted for every scheme (INT4 overcounts by 7) and
-# every weight of the layer (INT4's attention inputs are not tuned: they only hold their dequantized weight, 2)
+# every weight of the layer (attention's inputs a recipe keeps as solved only hold their dequantized weight, 2)
 TUNE_BYTES_PER_WEIGHT = 29
 
 

@@ -1,5 +1,5 @@
-"""A decoder layer's dense Linears (on INT4 all but the attention's inputs: `tuned`) tuned on the layer's output
-after GPTQ (quant/signround.py), on rank 0.
+"""A decoder layer's dense Linears (all of them unless a recipe keeps the attention's inputs: `tuned`) tuned on the
+layer's output after GPTQ (quant/signround.py), on rank 0.
 
 GPTQ has chosen every code against its Linear's own inputs; the tuning moves the codes near a rounding boundary
 and the groups' scales so that the whole layer's output, through attention and the MLP's gate, comes closer to the
@@ -72,29 +72,28 @@ from quantize.quant.signround import Tunable
 PLAIN_ERROR = ("mxfp4",)
 
 
-def tuned(module: str, grid: str = "int4", attention: bool | None = None) -> bool:
-    """Whether a Linear of a dense layer (its name in the layer, e.g. "self_attn.q_proj") is tuned on `grid`
-    ("int4", "nvfp4", "mxfp4"). On INT4, all but the attention's inputs (q/k/v, MLA's q_a/q_b/kv_a/kv_b, an
-    indexer's), which keep GPTQ's codes and scales; on the FP4 grids, all of them. attention: the recipe's gptq
-    tune_attention where it is set, which decides for the attention's inputs on every grid.
+def tuned(module: str, attention: bool | None = None) -> bool:
+    """Whether a Linear of a dense layer (its name in the layer, e.g. "self_attn.q_proj") is tuned: all of them,
+    but the attention's inputs (q/k/v, MLA's q_a/q_b/kv_a/kv_b, an indexer's) where `attention`, the recipe's gptq
+    tune_attention, is false (tunes_attention): they then keep GPTQ's codes and scales and run quantized in the
+    steps, and the steps skip attention (engine/attention_cache.py).
 
-    Their gradient would have to cross attention's backward, and on a CPU that is the tuning's largest cost: in a
-    SmolLM2 step (4 x 512 tokens, bf16, Intel Xeon with AMX) the flash-attention backward took 22 ms against its
-    forward's 4, and the whole backward 3x the forward. Measured on the dithered SmolLM2 (W4A16 g64, 40 steps, draws
-    0 / 1 / 2 / 3): the converts, two side by side, took 14-16% less time, and the perplexity moved within the
-    draws' spread: 31.09 / 30.66 / 31.72 / 31.32 against 30.98 / 30.84 / 32.04 / 30.51 with q/k/v tuned (mean
-    31.20 against 31.09, paired +0.11 +- 0.25); that time is what brought INT4 under auto-round light's (1.07x to
-    0.86x). On NVFP4 leaving them out cost 0.22 and 0.35 (draws 0 / 2: 30.17 / 31.07 against 29.95 / 30.72), and
-    there the time is not short (auto-round's `nv_fp` took 1.34x ours on its last bench alone, 970 s against 722 s,
-    and ours is faster since), so the FP4 grids tune them."""
+    Their gradient crosses attention's backward, on a CPU the steps' largest cost: in a SmolLM2 step (4 x 512
+    tokens, bf16, Intel Xeon with AMX) the flash-attention backward took 22 ms against its forward's 4, and the whole
+    backward 3x the forward. So INT4 left them out until issue 39: measured on the dithered SmolLM2 (W4A16 g64, 40
+    steps, draws 0 / 1 / 2 / 3), the converts took 14-16% less time and the perplexity moved within the draws'
+    spread (mean 31.20 against 31.09, paired +0.11 +- 0.25). With all 128 of the bench's samples tuned on, and the
+    tuning judged on JUDGED of them and its outputs kept in place of the quantized pass's, tuning them is the better
+    INT4 and within the time (README, issue 39). On NVFP4 leaving them out cost 0.22 and 0.35 (draws 0 / 2: 30.17 /
+    31.07 against 29.95 / 30.72)."""
     attention_input = module.startswith("self_attn.") and not module.endswith("o_proj")
-    return not attention_input or tunes_attention(grid, attention)
+    return not attention_input or tunes_attention(attention)
 
 
-def tunes_attention(grid: str = "int4", attention: bool | None = None) -> bool:
-    """Whether the attention's inputs are tuned on `grid` (tuned's rule): the recipe's gptq tune_attention where it
-    is set, else every grid but INT4. The report and the model card say which."""
-    return attention if attention is not None else grid != "int4"
+def tunes_attention(attention: bool | None = None) -> bool:
+    """Whether the attention's inputs are tuned (tuned's rule) under the recipe's gptq tune_attention: unless it is
+    false. The report and the model card say which."""
+    return attention is not False
 
 
 # The last HEAD_LAYERS decoder layers are tuned on the logits (Head): the last through the model's final norm and
