@@ -329,6 +329,7 @@ def _result(plan, result, r, calibrated, dev: str) -> Result:
     stats = calibrated.quantizer.stats if calibrated is not None and calibrated.quantizer is not None else None
     if stats is not None:
         from quantize.engine import tune as tuning
+        from quantize.quant import signround
 
         account = calibrated.account
         report["calibration"] = {
@@ -341,6 +342,8 @@ def _result(plan, result, r, calibrated, dev: str) -> Result:
             **({"gptq": {"scales": r.gptq.scales, "dampening": r.gptq.dampening,
                          "dampening_frac": r.gptq.dampening_frac, "tune_iters": r.gptq.iters,
                          "tune_samples": r.gptq.samples(r.scheme.grid), "tune_holdout": r.gptq.tune_holdout,
+                         # the offsets' step: the recipe's tune_rate, else the grid's
+                         "tune_rate": r.gptq.tune_rate if r.gptq.tune_rate is not None else signround.LR[r.scheme.grid],
                          # whether the attention's inputs were tuned (unless the recipe's tune_attention is false)
                          "tune_attention": tuning.tunes_attention(r.gptq.tune_attention)}}
                if r.method == "gptq" else {}),

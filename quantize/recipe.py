@@ -62,6 +62,9 @@ class GPTQParams:
     # `tuned`). false keeps GPTQ's codes there and skips attention in the steps: faster, and on INT4 with 32
     # samples what the default was before issue 39 (four draws' mean 30.98 against 30.76)
     tune_attention: bool | None = None
+    # each step's move of a rounding offset (times SignRound's decay from 2 to 0); unset, the grid's signround.LR
+    # (INT4's 0.03 was measured over 128 tuned samples: over 32, 0.02 is the safer, quant/signround.py)
+    tune_rate: float | None = None
 
     @property
     def iters(self) -> int:
@@ -369,10 +372,12 @@ def from_dict(raw: object, where: str) -> Recipe:
     iters = gptq.tune_iters
     if (iters is not None and (not isinstance(iters, int) or isinstance(iters, bool) or iters < 0)
             or gptq.tune_samples is not None and gptq.tune_samples < 1 or gptq.tune_batch < 1 or gptq.tune_holdout < 0
-            or gptq.tune_attention not in (None, True, False)):
+            or gptq.tune_attention not in (None, True, False)
+            or gptq.tune_rate is not None and (isinstance(gptq.tune_rate, bool) or not isinstance(gptq.tune_rate, (int, float))
+                                               or not 0 < gptq.tune_rate <= 0.5)):
         raise UsageError(f"{where}: gptq needs tune_iters >= 0 (or unset: {TUNE_ITERS} under hessian scales, 0 under "
                          "minmax), tune_samples >= 1 (or unset), tune_holdout >= 0, tune_batch >= 1 and "
-                         "tune_attention true, false (or unset)")
+                         "tune_attention true, false (or unset), 0 < tune_rate <= 0.5 (or unset)")
     if gptq.scales not in SCALE_RULES or gptq.dampening not in DAMPING_RULES:
         raise UsageError(f"{where}: gptq scales must be one of {', '.join(SCALE_RULES)}, dampening one of "
                          f"{', '.join(DAMPING_RULES)}")

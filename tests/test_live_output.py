@@ -26,6 +26,24 @@ def wait_for(cond, proc, timeout=120.0):
         time.sleep(0.005)
 
 
+def stopped(pid: int, timeout: float = 10.0) -> None:
+    """Wait until every thread of `pid` is stopped: kill(SIGSTOP) returns before the signal takes effect, and a
+    writer thread may finish its write after it (once, a .tmp shard grew 0 -> 4096 bytes between the snapshot taken
+    right after kill and the check)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, IndexError):
+                continue  # a thread that ended
+        if states and all(st in "Tt" for st in states):
+            return
+        assert time.monotonic() < deadline, f"PID {pid} did not stop: {states}"
+        time.sleep(0.005)
+
+
 def tree(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -51,6 +69,7 @@ def test_a_second_job_into_a_live_output_is_refused_whatever_its_flags(job, fixt
         # caught writing, then stopped: a stopped process still holds its lock, and nothing moves under B
         wait_for(lambda: (partial / "state.json").exists(), a)
         os.kill(a.pid, signal.SIGSTOP)
+        stopped(a.pid)
         before = tree(partial)
         for flags in ([], ["--overwrite"], ["--resume"]):
             t0 = time.monotonic()

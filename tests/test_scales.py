@@ -13,7 +13,7 @@ from quantize import calib, recipe
 from quantize.checkpoint import Checkpoint
 from quantize.engine import stream
 from quantize.engine.layerwise import Calibrated
-from quantize.quant import codec, gptq, scales
+from quantize.quant import codec, gptq, scales, signround
 from quantize.tensor_plan import build
 from quantize.verify import verify
 
@@ -228,7 +228,7 @@ def test_json_and_the_model_card_say_which_scales_damping_and_samples_made_it(fi
     assert reports["gptq"]["gptq"] == {"scales": "hessian", "dampening": "tokens", "dampening_frac": 0.01,
                                          "tune_iters": recipe.TUNE_ITERS,
                                          "tune_samples": recipe.TUNE_SAMPLES["int4"], "tune_holdout": 0,
-                                         "tune_attention": True}
+                                         "tune_rate": signround.LR["int4"], "tune_attention": True}
     # minmax is llm-compressor's bytes: no tuning unless asked for
     assert reports["minmax"]["gptq"]["scales"] == "minmax" and reports["minmax"]["gptq"]["tune_iters"] == 0
     # the tuning judged on held-out samples when asked (engine/tune.py), each layer's error reported

@@ -544,6 +544,37 @@ def test_the_attentions_inputs_are_tuned_unless_a_recipe_keeps_them_and_then_att
                           "gptq": {"tune_attention": "yes"}, "calibration": {"data": "x.jsonl"}}, "r.yaml")
 
 
+def test_a_recipes_tune_rate_sets_the_offsets_step_and_the_report_says_it(fixtures_dir, tmp_path):
+    """gptq tune_rate replaces the grid's rate (signround.LR) in every step: set to the grid's own it gives the
+    default's bytes, set to another it moves them; the report gives the rate in effect. A rate that is not in
+    (0, 0.5] is refused."""
+    from safetensors import safe_open
+
+    from quantize import recipe
+    from quantize.convert import Events, convert
+    from quantize.errors import UsageError
+
+    t = Tunable.start(torch.tensor([[0.2, -1.4]]), torch.ones(1, 1))
+    t.rate = 0.07
+    (t.weight(torch.float32) * torch.tensor([[1.0, -2.0]])).sum().backward()
+    t.step(1.0)
+    assert torch.allclose(t.offset, torch.tensor([[-0.07, 0.07]]))
+
+    runs = {}
+    for name, extra in (("default", ""), ("same", f", tune_rate: {signround.LR['int4']}"), ("other", ", tune_rate: 0.1")):
+        report = convert(str(fixtures_dir / "llama-bf16"), tmp_path / name, _tuning_recipe(tmp_path, name, extra),
+                         Events()).report
+        with safe_open(next((tmp_path / name).glob("*.safetensors")), "pt") as f:
+            runs[name] = (report["calibration"]["gptq"]["tune_rate"], {k: f.get_tensor(k) for k in f.keys()})
+    assert [runs[n][0] for n in ("default", "same", "other")] == [signround.LR["int4"], signround.LR["int4"], 0.1]
+    assert all(torch.equal(v, runs["same"][1][k]) for k, v in runs["default"][1].items())
+    assert any(not torch.equal(v, runs["other"][1][k]) for k, v in runs["default"][1].items())
+    for bad in (0, 0.6, "fast", True):
+        with pytest.raises(UsageError, match="tune_rate"):
+            recipe.from_dict({"method": "gptq", "scheme": {"num_bits": 4, "group_size": 32},
+                              "gptq": {"tune_rate": bad}, "calibration": {"data": "x.jsonl"}}, "r.yaml")
+
+
 def test_the_attention_cache_is_off_where_attentions_inputs_are_tuned_and_recomputes_under_other_weights():
     """Where q/k/v are tuned (tune.tuned) their output moves each step, so no cache. A forward under other attention
     weights than those a context was recorded under (the float weights, say) records anew instead of serving it."""

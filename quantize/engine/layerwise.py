@@ -879,7 +879,8 @@ class LayerwiseQuantizer:
         p = self.recipe.gptq
         mods = dict(layer.named_modules())
         grid = self.recipe.scheme.grid
-        tunables = {m: Tunable.of(self.recipe.scheme, r[3], r[1], mods[m].weight.data) for m, r in solved.items()
+        tunables = {m: Tunable.of(self.recipe.scheme, r[3], r[1], mods[m].weight.data, p.tune_rate)
+                    for m, r in solved.items()
                     if tuning.tuned(m, p.tune_attention) and r[3] is not None and not r[2]
                     and targets[m].tensor.encoding != "ct-int4"}
         kept = False

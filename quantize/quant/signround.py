@@ -42,14 +42,18 @@ from quantize.quant.rtn import int_range
 # Steps: V moves by LR (scaled by the schedule) per iteration, the scale factor by SCALE_LR. SignRound's default is
 # 1 / iters for both. Measured on the dithered SmolLM2 (W4A16 g64, one draw, 20 iterations, the first target: the
 # float layer on the quantized inputs): LR 0.005 and SCALE_LR 0.00025 gave perplexity 32.54, these 31.82 (GPTQ alone
-# 33.74, auto-round's 50 iterations 31.07). LR is per grid, and 0.02 on each: INT4's was tried higher, at 40 steps
-# under the per-channel error (Intel Xeon with AMX, torch capability AVX512; dithered builds, W4A16 g64). On SmolLM2
-# (draws 0 / 1 / 2 / 3) 0.01 gave 31.65 on draw 0; 0.02 30.98 / 30.84 / 32.04 / 30.51; 0.03 30.71 / 30.88 / 30.28 /
-# 30.99; 0.05 30.42 / 30.60 / 32.84 (draws 0-2): 0.03 gains 0.38 on the mean, all of it draw 2's, and loses on draw 3,
-# the one draw that did not choose it. On Gemma 3 (draws 0 / 1) 0.02 gave 74.41 / 72.82; 0.025 78.27 / 72.42; 0.03
-# 79.91 / 77.76, and 0.03 over 64 tuned samples 81.74 / 73.63: larger steps fit Gemma's tuned samples more
-# (engine/tune.py) and cost 5 points on both draws, so the rate that holds on both stays.
-LR = {"int4": 0.02, "nvfp4": 0.02, "mxfp4": 0.02}
+# 33.74, auto-round's 50 iterations 31.07). LR is per grid. INT4's was tried higher, at 40 steps under the
+# per-channel error (Intel Xeon with AMX, torch capability AVX512; dithered builds, W4A16 g64), when 32 samples were
+# tuned on and the attention's inputs kept. On SmolLM2 (draws 0 / 1 / 2 / 3) 0.01 gave 31.65 on draw 0; 0.02 30.98
+# / 30.84 / 32.04 / 30.51; 0.03 30.71 / 30.88 / 30.28 / 30.99; 0.05 30.42 / 30.60 / 32.84 (draws 0-2). On Gemma 3
+# (draws 0 / 1) 0.02 gave 74.41 / 72.82; 0.025 78.27 / 72.42; 0.03 79.91 / 77.76, and 0.03 over 64 tuned samples
+# 81.74 / 73.63: the larger steps fit Gemma's 32 tuned samples the more (engine/tune.py), so 0.02 stayed. Over 128
+# tuned samples with the attention's inputs tuned (INT4's default since issue 39) 0.03 is the better on both
+# families (AMD EPYC, torch capability AVX512, converts two at a time): SmolLM2 30.09 / 30.38 / 30.43 / 31.45 against
+# 30.58 / 30.92 / 30.78 / 30.76 (mean 30.59 against 30.76, paired -0.17 +- 0.29, lower on three draws of four: draw
+# 3, as before, the one it loses), Gemma 3 draw 0 69.74 against 72.17. NVFP4 (also 128 samples) is not measured at
+# 0.03 and stays at 0.02.
+LR = {"int4": 0.03, "nvfp4": 0.02, "mxfp4": 0.02}
 # SCALE_LR 0.01 on NVFP4, nearer auto-round's minmax rate (1 / iters, linearly decayed), cost 0.02 and 0.69 (dithered
 # SmolLM2 draws 2 / 3, 32 samples, offsets in the spacing: 30.74 / 31.42 against 30.72 / 30.73)
 SCALE_LR = 0.002
@@ -85,6 +89,7 @@ class Tunable:
     num_bits: int = 4
     grid: str = "int4"
     gscale: torch.Tensor | None = None  # NVFP4's global scale
+    rate: float | None = None  # the offsets' step (a recipe's tune_rate); None: the grid's LR
 
     @classmethod
     def start(cls, values: torch.Tensor, scale: torch.Tensor, num_bits: int = 4, grid: str = "int4",
@@ -98,15 +103,20 @@ class Tunable:
                    None if gscale is None else gscale.float())
 
     @classmethod
-    def of(cls, scheme, values: torch.Tensor, params: "codec.Params", w: torch.Tensor | None = None) -> "Tunable":
+    def of(cls, scheme, values: torch.Tensor, params: "codec.Params", w: torch.Tensor | None = None,
+           rate: float | None = None) -> "Tunable":
         """A Linear's GPTQ result (its values and codec.Params) under `scheme` made tunable; w: the Linear's
-        weight [out, in], whose values over the steps replace GPTQ's on the grids of START_FROM_RTN."""
+        weight [out, in], whose values over the steps replace GPTQ's on the grids of START_FROM_RTN; rate: the
+        offsets' step where a recipe sets it (else the grid's LR)."""
         if scheme.fp4 == "nvfp4":
-            return cls.start(values, params.stored[0].float(), grid="nvfp4", gscale=params.stored[1])
-        step = params.step.float()
-        if w is not None and scheme.fp4 in START_FROM_RTN:
-            values = (w.float().unflatten(-1, (step.shape[1], -1)) / step[..., None]).flatten(-2)
-        return cls.start(values, step, scheme.num_bits, scheme.grid)
+            t = cls.start(values, params.stored[0].float(), grid="nvfp4", gscale=params.stored[1])
+        else:
+            step = params.step.float()
+            if w is not None and scheme.fp4 in START_FROM_RTN:
+                values = (w.float().unflatten(-1, (step.shape[1], -1)) / step[..., None]).flatten(-2)
+            t = cls.start(values, step, scheme.num_bits, scheme.grid)
+        t.rate = rate
+        return t
 
     @staticmethod
     def _shift(factor: torch.Tensor) -> torch.Tensor:
@@ -181,7 +191,8 @@ class Tunable:
         SCALE_LR."""
         with torch.no_grad():
             if self.offset.grad is not None:
-                self.offset.sub_(LR[self.grid] * lr * self.offset.grad.sign()).clamp_(-0.5, 0.5)
+                rate = LR[self.grid] if self.rate is None else self.rate
+                self.offset.sub_(rate * lr * self.offset.grad.sign()).clamp_(-0.5, 0.5)
             if self.factor.grad is not None and self.grid == "mxfp4":
                 self.factor.sub_(EXP_LR * lr * self.factor.grad.sign()).clamp_(-1.0, 1.0)
             elif self.factor.grad is not None:
