@@ -342,8 +342,7 @@ def _result(plan, result, r, calibrated, dev: str) -> Result:
             **({"gptq": {"scales": r.gptq.scales, "dampening": r.gptq.dampening,
                          "dampening_frac": r.gptq.dampening_frac, "tune_iters": r.gptq.iters,
                          "tune_samples": r.gptq.samples(r.scheme.grid), "tune_holdout": r.gptq.tune_holdout,
-                         # the offsets' step: the recipe's tune_rate, else the grid's
-                         "tune_rate": r.gptq.tune_rate if r.gptq.tune_rate is not None else signround.LR[r.scheme.grid],
+                         "tune_rate": signround.offset_rate(r.scheme.grid, r.gptq.tune_rate),
                          # whether the attention's inputs were tuned (unless the recipe's tune_attention is false)
                          "tune_attention": tuning.tunes_attention(r.gptq.tune_attention)}}
                if r.method == "gptq" else {}),

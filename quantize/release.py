@@ -178,6 +178,7 @@ def model_card(*, repo_id: str, base_model: str | None, license: str | None, rec
         scale_rule = "chosen by the Hessian" if g.scales == "hessian" else "min/max"
         held = f" on {g.tune_holdout} held-out samples)" if g.tune_holdout else ")"
         from quantize.engine.tune import tunes_attention
+        from quantize.quant.signround import offset_rate
 
         attention = "" if tunes_attention(g.tune_attention) else \
             ", the attention's inputs kept as GPTQ solved them"
@@ -185,7 +186,8 @@ def model_card(*, repo_id: str, base_model: str | None, license: str | None, rec
                      + (", more for experts routed fewer tokens than their width" if g.dampening == "tokens" else "")
                      + f"; blocks of {g.block_size}; activation order {g.actorder or 'none'}"
                      + (f"; then each dense layer tuned towards the float model's output ({g.iters} signed steps "
-                        f"over {g.samples(recipe.scheme.grid)} samples{attention}, kept where its error dropped{held}"
+                        f"of {offset_rate(recipe.scheme.grid, g.tune_rate)} over {g.samples(recipe.scheme.grid)} "
+                        f"samples{attention}, kept where its error dropped{held}"
                         if g.iters else "") + " |")
     if recipe.kv_cache:
         lines.append("| KV cache | FP8 e4m3 scales per layer (`k_scale` / `v_scale`) |")

@@ -759,13 +759,14 @@ def test_the_model_card_says_when_the_layers_were_tuned():
         repo_id="me/x", base_model=None, license=None, plan_summary={}, src_bytes=1, out_bytes=1, capacity=None,
         setup=SimpleNamespace(tp=1), gate_markdown=None, tp_sizes=[1], remote_code=False, architecture="llama",
         recipe=dataclasses.replace(r, gptq=dataclasses.replace(r.gptq, tune_iters=n))) for n in (0, 20)}
-    assert "tuned towards the float model's output (20 signed steps over 128 samples, kept where" in cards[20] \
+    assert "tuned towards the float model's output (20 signed steps of 0.03 over 128 samples, kept where" in cards[20] \
         and "tuned" not in cards[0]
     kept = release.model_card(
         repo_id="me/x", base_model=None, license=None, plan_summary={}, src_bytes=1, out_bytes=1, capacity=None,
         setup=SimpleNamespace(tp=1), gate_markdown=None, tp_sizes=[1], remote_code=False, architecture="llama",
-        recipe=dataclasses.replace(r, gptq=dataclasses.replace(r.gptq, tune_samples=32, tune_attention=False)))
-    assert "(40 signed steps over 32 samples, the attention's inputs kept as GPTQ solved them, kept where" in kept
+        recipe=dataclasses.replace(r, gptq=dataclasses.replace(r.gptq, tune_samples=32, tune_attention=False,
+                                                               tune_rate=0.02)))
+    assert "(40 signed steps of 0.02 over 32 samples, the attention's inputs kept as GPTQ solved them, kept where" in kept
     held = release.model_card(
         repo_id="me/x", base_model=None, license=None, plan_summary={}, src_bytes=1, out_bytes=1, capacity=None,
         setup=SimpleNamespace(tp=1), gate_markdown=None, tp_sizes=[1], remote_code=False, architecture="llama",

@@ -63,6 +63,12 @@ SCALE_RANGE = 0.3  # the factor on a group's scale stays in [1 - 0.3, 1 + 0.3]
 EXP_LR = 0.05
 
 
+def offset_rate(grid: str, rate: float | None = None) -> float:
+    """The offsets' step on `grid`: a recipe's tune_rate where it sets one, else the grid's LR (the one rule that
+    the steps, `--json` and the model card all give)."""
+    return LR[grid] if rate is None else rate
+
+
 # grids whose tuning starts from round to nearest (the weight over its searched step), not from GPTQ's values: chosen
 # by measurement (the module's docstring). A likely reason, not shown: MXFP4's steps are powers of two, so its
 # groups' errors, and the updates GPTQ carries along a row from them, are larger than NVFP4's, and GPTQ's values sit
@@ -191,8 +197,7 @@ class Tunable:
         SCALE_LR."""
         with torch.no_grad():
             if self.offset.grad is not None:
-                rate = LR[self.grid] if self.rate is None else self.rate
-                self.offset.sub_(rate * lr * self.offset.grad.sign()).clamp_(-0.5, 0.5)
+                self.offset.sub_(offset_rate(self.grid, self.rate) * lr * self.offset.grad.sign()).clamp_(-0.5, 0.5)
             if self.factor.grad is not None and self.grid == "mxfp4":
                 self.factor.sub_(EXP_LR * lr * self.factor.grad.sign()).clamp_(-1.0, 1.0)
             elif self.factor.grad is not None:
