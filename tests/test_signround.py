@@ -271,6 +271,29 @@ def test_tuning_that_does_not_lower_the_error_leaves_gptqs_codes_and_scales(monk
     assert float(tunables["0"].offset.abs().max()) == 0 and float(tunables["0"].factor.abs().max()) == 0
 
 
+def test_steps_that_overshoot_are_halved_and_judged_again_before_gptqs_bytes_stand(monkeypatch):
+    """A layer whose steps did not lower its judged error has its moves shrunk towards GPTQ's (tune.SHRINK) and
+    judged once more before it keeps GPTQ's bytes (dithered SmolLM2, draw 3: layers 1 and 2 ended at 1.00x GPTQ's
+    error and kept their halved moves). Here the full steps end above GPTQ's error and half of them below it."""
+    forward, targets, values, scale = _toy()
+    monkeypatch.setattr(signround, "LR", rates(0.1))
+    monkeypatch.setattr(tune, "SHRINK", ())
+    undone = {"0": Tunable.start(values + 0.1, scale)}
+    before, after = tune.tune_layer(forward, targets, undone, iters=4, batch=2, dtype=torch.float32, seed=0)
+    assert after >= before and float(undone["0"].offset.detach().abs().max()) == 0
+    monkeypatch.setattr(tune, "SHRINK", (0.5,))
+    halved = {"0": Tunable.start(values + 0.1, scale)}
+    before, after = tune.tune_layer(forward, targets, halved, iters=4, batch=2, dtype=torch.float32, seed=0)
+    assert after < before, (before, after)
+    # the steps carried the offsets to +-0.5 (LR 0.1 times the schedule's 2): kept at half of that
+    assert float(halved["0"].offset.detach().abs().max()) == 0.25
+    # INT4's alone: on NVFP4 it kept a layer 0 whose tuning cost the model (tune.SHRINK_GRIDS)
+    monkeypatch.setattr(tune, "SHRINK_GRIDS", ("nvfp4",))
+    other = {"0": Tunable.start(values + 0.1, scale)}
+    tune.tune_layer(forward, targets, other, iters=4, batch=2, dtype=torch.float32, seed=0)
+    assert float(other["0"].offset.detach().abs().max()) == 0
+
+
 def test_a_recipe_may_keep_the_attentions_inputs_and_they_run_quantized_in_every_forward():
     """Every dense Linear is tuned unless the recipe's tune_attention is false: then q/k/v (and MLA's, an
     indexer's) keep GPTQ's result, and skip their gradient across attention's backward, the tuning's largest cost

@@ -53,7 +53,8 @@ from quantize.quant.rtn import int_range
 # 30.58 / 30.92 / 30.78 / 30.76 (mean 30.59 against 30.76, paired -0.17 +- 0.29, lower on three draws of four: draw
 # 3, as before, the one it loses), Gemma 3 draws 0 / 1 69.74 / 71.82 against 72.17 / 75.22 (where 7 and 8 of its
 # 18 layers keep GPTQ's bytes against 3 and 1: less tuning kept). auto-round's default (iters 200) gives 30.82 /
-# 30.74 / 30.30 / 29.90 on those SmolLM2 draws (mean 30.44): still ahead. NVFP4 (also 128 samples) is not measured
+# 30.74 / 30.30 / 29.90 on those SmolLM2 draws (mean 30.44): ahead, until the layers that would keep GPTQ's bytes
+# judged their moves halved too (engine/tune.py: SHRINK; 30.41, level). NVFP4 (also 128 samples) is not measured
 # at 0.03 and stays at 0.02.
 LR = {"int4": 0.03, "nvfp4": 0.02, "mxfp4": 0.02}
 # SCALE_LR 0.01 on NVFP4, nearer auto-round's minmax rate (1 / iters, linearly decayed), cost 0.02 and 0.69 (dithered
@@ -205,6 +206,12 @@ class Tunable:
             elif self.factor.grad is not None:
                 self.factor.sub_(SCALE_LR * lr * self.factor.grad.sign()).clamp_(-SCALE_RANGE, SCALE_RANGE)
         self.offset.grad = self.factor.grad = None
+
+    def shrink(self, f: float) -> None:
+        """The tuned moves times f (0: back to GPTQ's codes and scales)."""
+        with torch.no_grad():
+            self.offset.mul_(f)
+            self.factor.mul_(f)
 
     def reset(self) -> None:
         """Back to GPTQ's codes and scales."""
