@@ -214,10 +214,8 @@ class Tunable:
             self.factor.mul_(f)
 
     def reset(self) -> None:
-        """Back to GPTQ's codes and scales."""
-        with torch.no_grad():
-            self.offset.zero_()
-            self.factor.zero_()
+        """Back to GPTQ's codes and scales: no move left (a -0.0 rounds and scales as 0.0 does)."""
+        self.shrink(0.0)
 
 
 class _Int4Weight(torch.autograd.Function):
