@@ -44,6 +44,24 @@ def stopped(pid: int, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+def family(pid: int) -> list[int]:
+    """pid and every process it started, and theirs: a job on two ranks is rank 0 and the rank it started, which
+    writes shards of its own (a SIGSTOP of rank 0 alone once left rank 1 making its .tmp shards under B's check)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
 def tree(folder: Path) -> dict[str, int]:
     return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -68,8 +86,11 @@ def test_a_second_job_into_a_live_output_is_refused_whatever_its_flags(job, fixt
     try:
         # caught writing, then stopped: a stopped process still holds its lock, and nothing moves under B
         wait_for(lambda: (partial / "state.json").exists(), a)
-        os.kill(a.pid, signal.SIGSTOP)
-        stopped(a.pid)
+        for p in family(a.pid):
+            os.kill(p, signal.SIGSTOP)
+        for p in family(a.pid):  # one started just before the stop is stopped too
+            os.kill(p, signal.SIGSTOP)
+            stopped(p)
         before = tree(partial)
         for flags in ([], ["--overwrite"], ["--resume"]):
             t0 = time.monotonic()
@@ -84,7 +105,11 @@ def test_a_second_job_into_a_live_output_is_refused_whatever_its_flags(job, fixt
             assert took < 20, took
             assert tree(partial) == before, flags  # B touched nothing of A's
     finally:
-        os.kill(a.pid, signal.SIGCONT)
+        for p in family(a.pid):
+            try:
+                os.kill(p, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
     _, err = a.communicate(timeout=300)
     assert a.returncode == 0, err[-3000:]
     v = subprocess.run([sys.executable, "-m", "quantize", "verify", str(out)], capture_output=True, text=True)
