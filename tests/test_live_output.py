@@ -38,7 +38,7 @@ def stopped(pid: int, timeout: float = 10.0) -> None:
                 states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
             except (FileNotFoundError, IndexError):
                 continue  # a thread that ended
-        if states and all(st in "Tt" for st in states):
+        if all(st in "TtZX" for st in states):  # stopped, or gone (nothing left to write: no task, or a zombie)
             return
         assert time.monotonic() < deadline, f"PID {pid} did not stop: {states}"
         time.sleep(0.005)
@@ -60,6 +60,14 @@ def family(pid: int) -> list[int]:
         out.append(p)
         todo.extend(children.get(p, []))
     return out
+
+
+def signal_if_alive(pid: int, sig: int) -> None:
+    """A helper process of the job may end between family()'s scan and the signal."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def tree(folder: Path) -> dict[str, int]:
@@ -87,9 +95,9 @@ def test_a_second_job_into_a_live_output_is_refused_whatever_its_flags(job, fixt
         # caught writing, then stopped: a stopped process still holds its lock, and nothing moves under B
         wait_for(lambda: (partial / "state.json").exists(), a)
         for p in family(a.pid):
-            os.kill(p, signal.SIGSTOP)
+            signal_if_alive(p, signal.SIGSTOP)
         for p in family(a.pid):  # one started just before the stop is stopped too
-            os.kill(p, signal.SIGSTOP)
+            signal_if_alive(p, signal.SIGSTOP)
             stopped(p)
         before = tree(partial)
         for flags in ([], ["--overwrite"], ["--resume"]):
@@ -106,10 +114,7 @@ def test_a_second_job_into_a_live_output_is_refused_whatever_its_flags(job, fixt
             assert tree(partial) == before, flags  # B touched nothing of A's
     finally:
         for p in family(a.pid):
-            try:
-                os.kill(p, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+            signal_if_alive(p, signal.SIGCONT)
     _, err = a.communicate(timeout=300)
     assert a.returncode == 0, err[-3000:]
     v = subprocess.run([sys.executable, "-m", "quantize", "verify", str(out)], capture_output=True, text=True)
