@@ -172,7 +172,8 @@ class Head:
 
     MXFP4's (plain squared error, steps from round to nearest, 32 tuned samples) were measured so and are not (the
     same machine, dithered SmolLM2 MXFP4A16; the layers from 26 on run again under the change from the checkpoint
-    entering layer 26 on draw 0, 22 on draws 1 / 2, against the whole converts' 31.41 / 31.41 / 31.20): at HEAD_RATE
+    entering layer 26 on draw 0, 22 on draws 1 / 2, against the whole converts' 31.41 / 31.41 / 31.20, which the
+    unchanged code so resumed gives to the last digit): at HEAD_RATE
     31.61 (draw 0; layers 27-29 kept GPTQ's bytes: a fifth of the rate does not carry round to nearest past GPTQ's
     error); at the grid's whole rate 30.91 / 32.01 / 31.59 (+0.16 on the mean, higher on two draws of three; layer
     29 kept GPTQ's bytes on each); from GPTQ's values at HEAD_RATE, as NVFP4 is, 31.57 (draw 0, every one of the four
