@@ -164,20 +164,18 @@ class Head:
     its rate: its error 0.98x GPTQ's to 0.95x on every draw, the perplexity -0.05 +- 0.10 over draws 0-3 (lower on
     two of four; README, issue 39).
 
-    NVFP4's last four are so measured too (HEAD_GRIDS), at HEAD_RATE of its rates, where they were measured under the
-    per-channel error before. The same machine, the four run again from the checkpoint entering layer 26 (draws 2
-    and 3 before: whole converts), dithered SmolLM2 NVFP4A16, draws 0 / 1 / 2 / 3: 30.08 / 30.27 /
-    29.98 / 30.08 to 29.57 / 30.49 / 29.64 / 29.65 (mean 30.10 to 29.84, paired -0.27 +- 0.17, lower on three draws
-    of four).
+    NVFP4's last four are so measured too (HEAD_GRIDS), at HEAD_RATE of its rates, where they were measured under
+    the per-channel error before. The same machine, the four run again from the checkpoint entering layer 26 (draws
+    2 and 3 before: whole converts), dithered SmolLM2 NVFP4A16, draws 0 / 1 / 2 / 3: 30.08 / 30.27 / 29.98 / 30.08
+    to 29.57 / 30.49 / 29.64 / 29.65 (mean 30.10 to 29.84, paired -0.27 +- 0.17, lower on three draws of four).
 
     MXFP4's (plain squared error, steps from round to nearest, 32 tuned samples) were measured so and are not (the
     same machine, dithered SmolLM2 MXFP4A16; the layers from 26 on run again under the change from the checkpoint
     entering layer 26 on draw 0, 22 on draws 1 / 2, against the whole converts' 31.41 / 31.41 / 31.20, which the
-    unchanged code so resumed gives to the last digit): at HEAD_RATE
-    31.61 (draw 0; layers 27-29 kept GPTQ's bytes: a fifth of the rate does not carry round to nearest past GPTQ's
-    error); at the grid's whole rate 30.91 / 32.01 / 31.59 (+0.16 on the mean, higher on two draws of three; layer
-    29 kept GPTQ's bytes on each); from GPTQ's values at HEAD_RATE, as NVFP4 is, 31.57 (draw 0, every one of the four
-    keeping its tuning)."""
+    unchanged code so resumed gives to the last digit): at HEAD_RATE 31.61 (draw 0; layers 27-29 kept GPTQ's bytes:
+    a fifth of the rate does not carry round to nearest past GPTQ's error); at the grid's whole rate 30.91 / 32.01 /
+    31.59 (+0.16 on the mean, higher on two draws of three; layer 29 kept GPTQ's bytes on each); from GPTQ's values
+    at HEAD_RATE, as NVFP4 is, 31.57 (draw 0, every one of the four keeping its tuning)."""
 
     norm: nn.Module
     weight: torch.Tensor
